@@ -1,0 +1,549 @@
+"""Shared plumbing for the cleanflow algorithms: model loading, the flow-matching sampler, prompts, rewards, runs.
+
+Algorithm math (advantage weighting, losses, KL terms, update schedules) lives in `algos/<algo>.py`; this file only
+holds what every algorithm needs in the same form.
+
+Conventions, used everywhere in cleanflow:
+  * sigma in [0, 1]; sigma = 1 is pure noise, sigma = 0 is data.
+  * x_t = (1 - sigma) x0 + sigma eps, and the model predicts the velocity v = eps - x0.
+  * Hence x0_hat = x_t - sigma v and eps_hat = x_t + (1 - sigma) v. SD3 takes timestep = 1000 sigma.
+  * One Euler step from sigma to sigma_next (< sigma) is x_next = x + (sigma_next - sigma) v.
+  * Per-step log-probs are means over the latent elements (as in Flow-Factory), so they are O(1) whatever the
+    resolution and PPO clip ranges on exp(logp - logp_old) are small (~1e-4 .. 1e-2).
+"""
+
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent
+TINY_MODEL = str(REPO / "assets" / "tiny-shapes")
+TRAIN_PROMPTS = str(REPO / "assets" / "train.jsonl")
+TEST_PROMPTS = str(REPO / "assets" / "test.jsonl")
+DYNAMICS = ("ODE", "Flow-SDE", "Dance-SDE", "CPS")
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one line, without a traceback (see `run_main`)."""
+
+
+def run_main(main, args):
+    """Run `main(args)`, turning `UserError` into a one-line message and exit code 2."""
+    try:
+        main(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed: torchrun sets the env; a single process runs the same code with world_size 1
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: Optional[str] = None) -> Dist:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, world_size, local_rank, dev)
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (identity when not distributed)."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x
+
+
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally-shaped tensors from all ranks along dim 0, in rank order."""
+    if not dist.is_initialized():
+        return x
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def cleanup_distributed():
+    if dist.is_initialized():
+        dist.barrier()  # without it a rank can abort at exit while another is still tearing down
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model: a diffusers SD3-family pipeline, LoRA via peft, the reference model = adapter disabled
+# ----------------------------------------------------------------------------------------------------------------
+def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """Load a `StableDiffusion3Pipeline` from a local folder or a hub id, frozen, in eval mode.
+
+    T5 (text_encoder_3) is optional: when the folder has none, the pipeline pads the text sequence with zeros.
+    """
+    from diffusers import StableDiffusion3Pipeline
+
+    local = Path(model).expanduser()
+    looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_local and not (local / "model_index.json").exists():
+        raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
+    kwargs = {}
+    if looks_local and not (local / "text_encoder_3").exists():
+        kwargs.update(text_encoder_3=None, tokenizer_3=None)
+    try:
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            str(local) if looks_local else model, dtype=dtype, local_files_only=looks_local, **kwargs
+        )
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
+    pipe.set_progress_bar_config(disable=True)
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if m is not None:
+            m.requires_grad_(False).eval()
+    return pipe.to(device)
+
+
+def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]) -> list:
+    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights)."""
+    from peft import LoraConfig
+
+    transformer.add_adapter(
+        LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
+    )
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return params
+
+
+@contextlib.contextmanager
+def reference_model(transformer):
+    """The frozen base model: the same transformer with its LoRA adapter disabled."""
+    transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        transformer.enable_adapters()
+
+
+@contextlib.contextmanager
+def swapped_weights(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+    """Temporarily load other values (an EMA or a snapshot) into the trainable parameters."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast for forwards (trainable weights stay fp32); a no-op context when disabled."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# text, velocity, decode
+# ----------------------------------------------------------------------------------------------------------------
+class PromptEncoder:
+    """Encodes prompts once and caches (embeds, pooled) per prompt; the negative prompt for CFG is "" by default."""
+
+    def __init__(self, pipe, max_sequence_length: int = 128, negative_prompt: str = ""):
+        self.pipe = pipe
+        # without T5 the pipeline pads with zeros of this length; 1 keeps the tiny model cheap (it was trained so)
+        self.max_sequence_length = max_sequence_length if pipe.text_encoder_3 is not None else 1
+        self.negative_prompt = negative_prompt
+        self.cache = {}
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]):
+        missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
+        if missing:
+            e, _, p, _ = self.pipe.encode_prompt(
+                missing, None, None, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
+            )
+            for i, prompt in enumerate(missing):
+                self.cache[prompt] = (e[i], p[i])
+        embeds = torch.stack([self.cache[p][0] for p in prompts])
+        pooled = torch.stack([self.cache[p][1] for p in prompts])
+        return embeds, pooled
+
+    def negative(self, batch: int):
+        e, p = self([self.negative_prompt])
+        return e.expand(batch, -1, -1), p.expand(batch, -1)
+
+
+def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
+    """One transformer call v(x, sigma | text); with CFG (scale > 1 and `neg` = (embeds, pooled) of the negative
+    prompt) a single 2B-batch call gives v = v_uncond + g (v_cond - v_uncond). Returns fp32."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
+    dtype = transformer.dtype
+    if guidance_scale > 1.0:
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        out = transformer(
+            hidden_states=torch.cat([x, x]).to(dtype),
+            timestep=torch.cat([sigma, sigma]) * 1000,
+            encoder_hidden_states=torch.cat([neg[0], embeds]).to(dtype),
+            pooled_projections=torch.cat([neg[1], pooled]).to(dtype),
+            return_dict=False,
+        )[0].float()
+        v_uncond, v_cond = out.chunk(2)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return transformer(
+        hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=embeds.to(dtype),
+        pooled_projections=pooled.to(dtype), return_dict=False,
+    )[0].float()  # fmt: skip
+
+
+@torch.no_grad()
+def decode(pipe, latents: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Latents -> images in [0, 1], float32 [B, 3, H, W]; decoded in chunks to bound memory."""
+    vae = pipe.vae
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    out = []
+    for z in latents.split(chunk):
+        z = z / vae.config.scaling_factor + shift
+        out.append(vae.decode(z.to(vae.dtype), return_dict=False)[0].float())
+    return (torch.cat(out) / 2 + 0.5).clamp(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sampler
+# ----------------------------------------------------------------------------------------------------------------
+def sigma_schedule(scheduler, num_steps: int, device=None) -> torch.Tensor:
+    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (what Flow-GRPO samples with)."""
+    import copy
+
+    sched = copy.deepcopy(scheduler)  # set_timesteps mutates the scheduler; keep the pipeline's untouched
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device)
+    return sched.sigmas.float()
+
+
+def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_next=None, sigma_cap: float = 0.99):
+    """One step of the reverse process as a Gaussian policy N(mean, std^2 I) (Flow-Factory spec section 1).
+
+    Returns (x_next, log_prob [B], mean, std). If `x_next` is given (training), it is scored instead of sampled.
+    ODE and eta = 0 give the Euler step with std 0 and log_prob 0. `sigma_cap` guards Flow-SDE's 1/(1 - sigma) at
+    sigma = 1: the rollout passes the schedule's second sigma, as Flow-GRPO does.
+    """
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
+    if sigma.dim() == 1:  # per-sample sigmas broadcast over the latent dims
+        sigma, sigma_next = (s.view(-1, *([1] * (x.dim() - 1))) for s in (sigma, sigma_next))
+    dt = sigma_next - sigma  # < 0
+    x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
+    if dynamics == "ODE" or eta == 0:
+        mean, std = x + dt * v, torch.zeros_like(sigma)
+    elif dynamics == "Flow-SDE":  # Flow-GRPO Eq. 9 with sigma_t = eta sqrt(sigma / (1 - sigma))
+        std_dev = eta * torch.sqrt(sigma / (1 - torch.clamp(sigma, max=sigma_cap)))
+        mean = x + (v + std_dev**2 / (2 * sigma) * eps_hat) * dt
+        std = std_dev * torch.sqrt(-dt)
+    elif dynamics == "Dance-SDE":  # DanceGRPO: constant diffusion coefficient eta
+        mean = x + (v + 0.5 * eta**2 * eps_hat / sigma) * dt
+        std = eta * torch.sqrt(-dt) * torch.ones_like(sigma)
+    elif dynamics == "CPS":  # coefficients-preserving sampling: re-noise x0_hat to sigma_next with a fresh-noise share
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next**2 - std**2) * eps_hat
+    else:
+        raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
+    if x_next is None:
+        x_next = mean if noise is None or not bool((std > 0).any()) else mean + std * noise
+    if not bool((std > 0).all()):
+        return x_next, torch.zeros(x.shape[0], device=x.device), mean, std
+    log_prob = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return x_next, log_prob.mean(dim=tuple(range(1, x.dim()))), mean, std
+
+
+@dataclass
+class Rollout:
+    latents: torch.Tensor  # [B, C, h, w] final clean latents x0
+    sigmas: torch.Tensor  # [N + 1]
+    trajectory: Optional[torch.Tensor] = None  # [B, N + 1, C, h, w]; position 0 is the initial noise
+    log_probs: Optional[torch.Tensor] = None  # [B, N]; 0 at deterministic steps
+    sde_mask: Optional[torch.Tensor] = None  # [N] bool, which steps were stochastic
+
+
+@torch.no_grad()
+def sample(
+    transformer, scheduler, embeds, pooled, *, neg=None, num_steps: int = 10, guidance_scale: float = 1.0,
+    dynamics: str = "ODE", eta: float = 0.7, sde_steps: Optional[Sequence[int]] = None,
+    generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None,
+    keep_trajectory: bool = False, latent_shape: Optional[Sequence[int]] = None, use_autocast: bool = False,
+) -> Rollout:  # fmt: skip
+    """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
+
+    `sde_steps`: the step indices that get noise (the SDE window); None = every step but the last for SDE dynamics.
+    Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device.
+    """
+    if dynamics not in DYNAMICS:
+        raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
+    device, batch = embeds.device, embeds.shape[0]
+    if noise is None:
+        shape = latent_shape or (transformer.config.in_channels, transformer.config.sample_size, transformer.config.sample_size)
+        noise = torch.randn((batch, *shape), generator=generator)
+    x = noise.to(device=device, dtype=torch.float32)
+    sigmas = sigma_schedule(scheduler, num_steps, device)
+    if dynamics == "ODE":
+        sde_steps = []
+    elif sde_steps is None:
+        sde_steps = range(num_steps - 1)
+    sde_mask = torch.zeros(num_steps, dtype=torch.bool)
+    sde_mask[list(sde_steps)] = True
+    traj, log_probs = [x], torch.zeros(batch, num_steps, device=device)
+    for i in range(num_steps):
+        with autocast(device, use_autocast):
+            v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
+        step_noise = torch.randn(x.shape, generator=generator).to(device) if sde_mask[i] else None
+        x, log_probs[:, i], _, _ = sde_step(
+            x, v, sigmas[i], sigmas[i + 1], dynamics if sde_mask[i] else "ODE", eta, step_noise, sigma_cap=float(sigmas[1])
+        )
+        if keep_trajectory:
+            traj.append(x)
+    return Rollout(x, sigmas, torch.stack(traj, 1) if keep_trajectory else None, log_probs, sde_mask)
+
+
+@torch.no_grad()
+def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32, use_autocast=False):
+    """ODE samples for a fixed prompt list with fixed noise (seed + chunk index), scored by `reward_fn`.
+
+    Returns (images [B,3,H,W], {reward name: [B]}). The same prompts and seed give the same noise in every run and
+    every algorithm, so eval curves are comparable.
+    """
+    images, scores = [], {}
+    for k in range(0, len(prompts), batch):
+        chunk = prompts[k : k + batch]
+        embeds, pooled = encoder(chunk)
+        neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
+        gen = torch.Generator().manual_seed(seed + k)
+        out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps,
+                     guidance_scale=guidance_scale, generator=gen, use_autocast=use_autocast)  # fmt: skip
+        imgs = decode(pipe, out.latents)
+        for name, value in reward_fn(imgs, chunk).items():
+            scores.setdefault(name, []).append(value.float().cpu())
+        images.append(imgs.cpu())
+    return torch.cat(images), {k: torch.cat(v) for k, v in scores.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prompts, groups, advantages
+# ----------------------------------------------------------------------------------------------------------------
+def load_prompts(path: str) -> list:
+    """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompt file {path!r} not found")
+    prompts = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+                prompts.append(str(row["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
+        else:
+            prompts.append(line.strip())
+    if not prompts:
+        raise UserError(f"prompt file {path!r} has no prompts")
+    return prompts
+
+
+def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, generator: torch.Generator) -> list:
+    """`num_prompts` prompts drawn without replacement (cycling when the set is smaller), each repeated K times,
+    contiguously: [p0]*K + [p1]*K + ... so sample i belongs to group i // K."""
+    idx = []
+    while len(idx) < num_prompts:
+        idx += torch.randperm(len(prompts), generator=generator).tolist()
+    return [prompts[i] for i in idx[:num_prompts] for _ in range(group_size)]
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), or 1
+    (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN). Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True)
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1])
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale.clamp_min(1e-8))
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs: seeding, logging, checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int, torch_deterministic: bool = True):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+class Logger:
+    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: Path, args, enabled: bool = True):
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        config["git_commit"] = git_commit()
+        (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        self.writer = SummaryWriter(str(run_dir))
+        table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    def scalars(self, values: dict, step: int):
+        if self.enabled:
+            for k, v in values.items():
+                self.writer.add_scalar(k, float(v), step)
+
+    def images(self, tag: str, images: torch.Tensor, captions: Sequence[str], step: int, ncol: int = 8):
+        """A grid of images plus a markdown table of `prompt | reward` captions in the same order."""
+        if not self.enabled:
+            return
+        n = images.shape[0]
+        ncol = min(ncol, n)
+        nrow = -(-n // ncol)
+        c, h, w = images.shape[1:]
+        grid = torch.ones(c, nrow * (h + 2), ncol * (w + 2))
+        for i in range(n):
+            r, k = divmod(i, ncol)
+            grid[:, r * (h + 2) + 1 : r * (h + 2) + 1 + h, k * (w + 2) + 1 : k * (w + 2) + 1 + w] = images[i].cpu()
+        self.writer.add_image(tag, grid, step)
+        self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
+
+    def close(self):
+        if self.enabled:
+            self.writer.close()
+
+
+def save_checkpoint(path: Path, state: dict):
+    """Atomic: write to a temp file in the same folder, then rename, so a kill never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {str(path)!r} not found")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def trainable_state(params_by_name: dict) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in params_by_name.items()}
+
+
+def load_trainable_state(params_by_name: dict, state: dict):
+    with torch.no_grad():
+        for n, p in params_by_name.items():
+            p.copy_(state[n])
+
+
+class Timer:
+    """Accumulates wall-clock per section: `with timer("sampling"): ...`; `timer.pop()` returns and resets."""
+
+    def __init__(self):
+        self.totals = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

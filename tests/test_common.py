@@ -1,0 +1,241 @@
+"""common.py against independent computations: the diffusers pipeline, torch.distributions, numpy."""
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import common
+
+
+@pytest.fixture(scope="module")
+def pipe(random_pipeline_dir):
+    return common.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+
+
+PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.5])
+def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
+    steps = 6
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    out = common.sample(
+        pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(PROMPTS)), num_steps=steps,
+        guidance_scale=guidance_scale, noise=noise,
+    )  # fmt: skip
+    ours = common.decode(pipe, out.latents)
+    ref = pipe(
+        prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance_scale, height=64, width=64,
+        sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(), max_sequence_length=1, output_type="pt",
+    ).images  # fmt: skip
+    assert ours.shape == ref.shape == (3, 3, 64, 64)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sigma_schedule_is_shifted_linspace(pipe):
+    s = common.sigma_schedule(pipe.scheduler, 10)
+    base = np.linspace(1.0, 0.1, 10)
+    expected = np.append(3 * base / (1 + 2 * base), 0.0)  # shift 3: the SD3.5 schedule of the Flow-Factory spec
+    np.testing.assert_allclose(s.numpy(), expected, atol=1e-6)
+    assert abs(s[1].item() - 0.9643) < 1e-4
+
+
+def _paper_mean(dynamics, x, v, sigma, sigma_next, eta):
+    """Means written directly from the papers (not through x0_hat / eps_hat)."""
+    dt = sigma_next - sigma
+    if dynamics == "Flow-SDE":  # Flow-GRPO Eq. (9), sigma_t = eta sqrt(t / (1 - t))
+        s2 = eta**2 * sigma / (1 - sigma)
+        return x + (v + s2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+    if dynamics == "Dance-SDE":
+        x0 = x - sigma * v
+        return x + (v + 0.5 * eta**2 * (x - (1 - sigma) * x0) / sigma**2) * dt
+    x0, eps = x - sigma * v, x + (1 - sigma) * v  # CPS: (1 - s') x0 + sqrt(s'^2 - std^2) eps
+    std = sigma_next * math.sin(eta * math.pi / 2)
+    return (1 - sigma_next) * x0 + math.sqrt(sigma_next**2 - std**2) * eps
+
+
+def _paper_std(dynamics, sigma, sigma_next, eta):
+    if dynamics == "Flow-SDE":
+        return eta * math.sqrt(sigma / (1 - sigma)) * math.sqrt(sigma - sigma_next)
+    if dynamics == "Dance-SDE":
+        return eta * math.sqrt(sigma - sigma_next)
+    return sigma_next * math.sin(eta * math.pi / 2)
+
+
+@pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS"])
+def test_sde_step_log_prob_matches_torch_normal(dynamics):
+    g = torch.Generator().manual_seed(1)
+    x, v, z = (torch.randn(4, 4, 8, 8, generator=g) for _ in range(3))
+    sigma, sigma_next, eta = 0.75, 0.6, 0.7
+    x_next, logp, mean, std = common.sde_step(x, v, sigma, sigma_next, dynamics, eta, noise=z)
+    ref_mean = _paper_mean(dynamics, x, v, sigma, sigma_next, eta)
+    ref_std = _paper_std(dynamics, sigma, sigma_next, eta)
+    torch.testing.assert_close(mean, ref_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x_next, ref_mean + ref_std * z, atol=1e-5, rtol=1e-5)
+    ref_logp = torch.distributions.Normal(ref_mean, ref_std).log_prob(x_next).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    # scoring a given x_next (the training path) gives the same number, and per-sample sigmas broadcast
+    _, logp2, _, _ = common.sde_step(x, v, torch.full((4,), sigma), torch.full((4,), sigma_next), dynamics, eta, x_next=x_next)
+    torch.testing.assert_close(logp2, ref_logp, atol=1e-5, rtol=1e-5)
+
+
+def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
+    """GRPO's old log-probs come from the rollout; re-scoring the stored trajectory must give them back exactly."""
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    neg = enc.negative(len(PROMPTS))
+    out = common.sample(
+        pipe.transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=5, guidance_scale=3.0, dynamics="Flow-SDE",
+        eta=0.8, sde_steps=[1, 3], generator=torch.Generator().manual_seed(3), keep_trajectory=True,
+    )  # fmt: skip
+    assert out.sde_mask.tolist() == [False, True, False, True, False]
+    assert (out.log_probs[:, [0, 2, 4]] == 0).all() and (out.log_probs[:, [1, 3]] != 0).all()
+    for i in (1, 3):
+        x = out.trajectory[:, i]
+        with torch.no_grad():
+            v = common.velocity(pipe.transformer, x, out.sigmas[i], embeds, pooled, neg, 3.0)
+        _, logp, _, _ = common.sde_step(
+            x, v, out.sigmas[i], out.sigmas[i + 1], "Flow-SDE", 0.8, x_next=out.trajectory[:, i + 1], sigma_cap=float(out.sigmas[1])
+        )  # fmt: skip
+        torch.testing.assert_close(logp, out.log_probs[:, i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.trajectory[:, -1], out.latents)
+
+
+@pytest.mark.parametrize("dynamics", ["CPS", "Flow-SDE", "Dance-SDE"])
+def test_zero_noise_level_equals_ode(pipe, dynamics):
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    kw = dict(num_steps=4, noise=torch.randn(3, 4, 16, 16, generator=torch.Generator().manual_seed(4)))
+    ode = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics="ODE", **kw)
+    sde = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics=dynamics, eta=0.0, **kw)
+    torch.testing.assert_close(sde.latents, ode.latents, atol=1e-6, rtol=1e-6)
+
+
+def test_sampler_is_deterministic_given_a_generator(pipe):
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+
+    def run(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=4, dynamics="Dance-SDE", generator=gen).latents
+
+    torch.testing.assert_close(run(5), run(5), atol=0, rtol=0)
+    assert not torch.allclose(run(5), run(6))
+
+
+def _np_advantages(r, k, std, loo, clip):
+    r = np.asarray(r, dtype=np.float64).reshape(-1, k)
+    out = np.zeros_like(r)
+    for g in range(r.shape[0]):
+        for i in range(k):
+            base = (r[g].sum() - r[g, i]) / (k - 1) if loo else r[g].mean()
+            scale = {"group": r[g].std(), "global": r.std(), "none": 1.0}[std]
+            out[g, i] = 0.0 if r[g].std() < 1e-8 else (r[g, i] - base) / scale
+    return np.clip(out, -clip, clip).ravel() if clip else out.ravel()
+
+
+@pytest.mark.parametrize("std", ["group", "global", "none"])
+@pytest.mark.parametrize("loo", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_group_advantages_match_numpy(std, loo, clip):
+    rng = np.random.default_rng(0)
+    r = rng.normal(size=12)
+    r[4:8] = 0.3  # a zero-variance group -> advantage 0
+    adv = common.group_advantages(torch.tensor(r), 4, std=std, leave_one_out=loo, clip=clip)
+    np.testing.assert_allclose(adv.numpy(), _np_advantages(r, 4, std, loo, clip), atol=1e-6)
+    assert torch.isfinite(adv).all() and (adv[4:8] == 0).all()
+
+
+def test_group_prompts_layout_and_determinism():
+    prompts = [f"p{i}" for i in range(5)]
+    a = common.group_prompts(prompts, 7, 3, torch.Generator().manual_seed(0))
+    b = common.group_prompts(prompts, 7, 3, torch.Generator().manual_seed(0))
+    assert a == b and len(a) == 21
+    groups = [a[i : i + 3] for i in range(0, 21, 3)]
+    assert all(len(set(g)) == 1 for g in groups)
+    assert len({g[0] for g in groups[:5]}) == 5  # a full pass over the prompts before any repeats
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    path = tmp_path / "ck" / "state.pt"
+    common.save_checkpoint(path, {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "rng": common.rng_state()})
+    expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    ref_weights = {n: p.detach().clone() for n, p in named.items()}
+    ref_opt = copy.deepcopy(opt.state_dict())  # state_dict() holds live tensors
+    # wreck everything, then restore
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    state = common.load_checkpoint(path)
+    common.load_trainable_state(named, state["params"])
+    opt.load_state_dict(state["opt"])
+    common.set_rng_state(state["rng"])
+    for n, p in named.items():
+        assert torch.equal(p, ref_weights[n])
+    for k, s in opt.state_dict()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s[name], ref_opt["state"][k][name])
+    assert torch.equal(torch.rand(3), expected_draws[0])
+    assert np.array_equal(np.random.rand(3), expected_draws[1])
+    assert __import__("random").random() == expected_draws[2]
+    assert state["step"] == 3 and not list(path.parent.glob("*.tmp*"))
+
+
+def test_missing_model_path_is_one_clear_line(tmp_path):
+    with pytest.raises(common.UserError) as e:
+        common.load_pipeline(str(tmp_path / "nope"), torch.device("cpu"))
+    assert "nope" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_dynamics_is_one_clear_line(pipe):
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    with pytest.raises(common.UserError, match="unknown dynamics 'SDE'.*ODE, Flow-SDE, Dance-SDE, CPS"):
+        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, dynamics="SDE")
+
+
+def test_load_prompts_txt_jsonl_and_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("a red circle\n\n two squares \n")
+    assert common.load_prompts(tmp_path / "a.txt") == ["a red circle", "two squares"]
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "a square", "x": 1}) + "\n")
+    assert common.load_prompts(tmp_path / "b.jsonl") == ["a square"]
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(common.UserError, match="no prompts"):
+        common.load_prompts(tmp_path / "empty.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(common.UserError, match="bad.jsonl:1"):
+        common.load_prompts(tmp_path / "bad.jsonl")
+    with pytest.raises(common.UserError, match="not found"):
+        common.load_prompts(tmp_path / "missing.txt")
+
+
+def test_lora_starts_at_base_and_reference_disables_it(pipe):
+    transformer = copy.deepcopy(pipe.transformer)
+    params = common.add_lora(transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    assert params and all(p.requires_grad and p.dtype == torch.float32 for p in params)
+    x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS[:2])
+    with torch.no_grad():
+        base = common.velocity(pipe.transformer, x, 0.5, embeds, pooled)
+        torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)  # LoRA B = 0 at init
+        for p in params:
+            p.add_(0.05)
+        assert not torch.allclose(common.velocity(transformer, x, 0.5, embeds, pooled), base)
+        with common.reference_model(transformer):
+            torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)
