@@ -266,7 +266,7 @@ def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_n
     x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
     if dynamics == "ODE" or eta == 0:
         mean, std = x + dt * v, torch.zeros_like(sigma)
-    elif dynamics == "Flow-SDE":  # Flow-GRPO Eq. 9 with sigma_t = eta sqrt(sigma / (1 - sigma))
+    elif dynamics == "Flow-SDE":  # Flow-GRPO's SDE, sigma_t = eta sqrt(sigma / (1 - sigma))
         std_dev = eta * torch.sqrt(sigma / (1 - torch.clamp(sigma, max=sigma_cap)))
         mean = x + (v + std_dev**2 / (2 * sigma) * eps_hat) * dt
         std = std_dev * torch.sqrt(-dt)
@@ -422,6 +422,35 @@ def group_advantages(
     return adv.view(-1).float()
 
 
+def aggregate_advantages(
+    scores: dict, weights: dict, group_size: int, aggregation: str = "sum", std: str = "group",
+    leave_one_out: bool = False, clip: Optional[float] = None,
+) -> torch.Tensor:  # fmt: skip
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
+
+
+def stratified_indices(num_indices: int, count: int, generator: torch.Generator) -> list:
+    """`count` step indices in [0, num_indices), one per equal-width stratum, each index reachable (Flow-Factory's
+    sampler never draws the last one). With count >= num_indices every index appears at least once."""
+    edges = torch.linspace(0, num_indices, count + 1)
+    u = torch.rand(count, generator=generator)
+    idx = (edges[:-1] + u * (edges[1:] - edges[:-1])).floor().long().clamp(max=num_indices - 1)
+    return idx.tolist()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # runs: seeding, logging, checkpoints
 # ----------------------------------------------------------------------------------------------------------------
@@ -514,6 +543,22 @@ def load_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"checkpoint {str(path)!r} not found")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: float) -> Optional[float]:
+    """Average the accumulated gradients over ranks, clip, step, zero. Returns the pre-clip grad norm, or None
+    (and no update) when it is not finite, so that one bad batch cannot poison the weights.
+
+    One all-reduce per parameter instead of DDP: algorithms swap snapshot/EMA weights into the same module,
+    which DDP's bucketing would not expect."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.copy_(all_reduce_mean(p.grad))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item() if torch.isfinite(grad_norm) else None
 
 
 def trainable_state(params_by_name: dict) -> dict:

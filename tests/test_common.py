@@ -49,7 +49,7 @@ def test_sigma_schedule_is_shifted_linspace(pipe):
 def _paper_mean(dynamics, x, v, sigma, sigma_next, eta):
     """Means written directly from the papers (not through x0_hat / eps_hat)."""
     dt = sigma_next - sigma
-    if dynamics == "Flow-SDE":  # Flow-GRPO Eq. (9), sigma_t = eta sqrt(t / (1 - t))
+    if dynamics == "Flow-SDE":  # Flow-GRPO's SDE, sigma_t = eta sqrt(t / (1 - t))
         s2 = eta**2 * sigma / (1 - sigma)
         return x + (v + s2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
     if dynamics == "Dance-SDE":

@@ -1,0 +1,437 @@
+"""Centered Reward Distillation (CRD), Zhu et al. 2026, arXiv 2603.14128 -- docs/crd.md
+
+    python algos/crd.py                                                    # tiny-shapes on CPU, a few minutes
+    torchrun --nproc-per-node 8 algos/crd.py --model stabilityai/stable-diffusion-3.5-medium --reward ocr  # see benchmark/
+"""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    device: Optional[str] = None
+    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder to continue exactly from its last checkpoint"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    eval_every: int = 10
+    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    save_every: int = 10
+    """checkpoint every this many epochs (and at the end)"""
+    mixed_precision: bool = False
+    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    reward: str = "shapes"
+    """reward name or weighted list, e.g. "shapes:1.0,jpeg_compressibility:0.1" """
+    train_prompts: str = common.TRAIN_PROMPTS
+    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompt file for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps of the rollout (and of evaluation)"""
+    guidance_scale: float = 1.0
+    """CFG scale of the rollout and of the policy's training forward (CRD trains CFG-free)"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
+    """rollout dynamics; CRD only needs clean samples, so the ODE is the default"""
+    eta: float = 0.7
+    """noise level of the SDE dynamics (unused for ODE)"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global, across ranks)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch; holds whole groups so that centring stays within each prompt"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per epoch (the epoch's micro-batches are split into this many accumulation chunks)"""
+    num_train_timesteps: int = 4
+    """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 20 of N=10)"""
+    timestep_range: float = 0.99
+    """train on the schedule indices whose sigma >= 1 - range (0.99: all of them)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c] before being mapped to [0, 1]"""
+    advantage_std: Literal["group", "global"] = "global"
+    """std of the group z-score: per group or over all samples (paper: global)"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+
+    # Algorithm specific arguments
+    crd_beta: float = 1.0
+    """beta, scale of the implicit reward beta * r_theta matched to the centred advantage"""
+    loss_type: Literal["mse", "bce"] = "mse"
+    """matching loss between the centred implicit reward and the centred advantage"""
+    weight_temp: float = -1.0
+    """tau of the centring weights: < 0 uniform mean; > 0 dual-direction softmax; == 0 hard positive/negative pools"""
+    centering: Literal["group", "batch"] = "group"
+    """centre within each prompt's group (the paper's recipe) or over the whole micro-batch (Flow-Factory)"""
+    adaptive_logp: bool = True
+    """normalise each velocity error by its own detached mean |error| (self-normalised, ~L1 scale)"""
+    use_old_for_loss: bool = True
+    """implicit reward relative to the "old" snapshot (True) or to the frozen base model (False)"""
+    old_model_decay: str = "0-0.25-0.005-0.999"
+    """old snapshot decay "start_step-start_value-slope-end_value" or a preset name (see DECAY_PRESETS)"""
+    sampling_model_decay: str = "75-0.0-0.0075-0.999"
+    """sampling snapshot decay; 0 = hard copy of the current weights (on-policy), 1 = frozen"""
+    kl_beta: float = 0.1
+    """KL weight to the base model (velocity-space MSE)"""
+    kl_cfg: float = 4.5
+    """CFG scale of the base model inside the KL term (KL to a CFG-guided teacher)"""
+    reward_adaptive_kl: bool = True
+    """per-sample KL weight rises linearly with the [0, 1] advantage: from 1e-4 (worst) to kl_beta (best)"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+
+
+DECAY_PRESETS = {
+    "none": "0-0-0-0",
+    "slow": "0-0-0.001-0.5",
+    "medium": "75-0-0.0075-0.999",
+    "offline": "0-1-0-1",
+    "fast": "0-0-0.02-0.99",
+    "moderate": "0-0-0.01-0.5",
+}
+
+
+# ALGO LOGIC: CRD's math as small pure functions
+def snapshot_decay(spec: str, step: int) -> float:
+    """"start_step-start_value-slope-end_value": d = start_value before start_step, then grows linearly to end_value."""
+    spec = DECAY_PRESETS.get(spec, spec)
+    try:
+        start_step, start_value, slope, end_value = (float(x) for x in spec.split("-"))
+    except ValueError:
+        raise common.UserError(f"bad decay {spec!r}: expected start_step-start_value-slope-end_value or one of {list(DECAY_PRESETS)}")
+    if step < start_step:
+        return start_value
+    return min(start_value + (step - start_step) * slope, end_value)
+
+
+def update_snapshot(snapshot, params, decay: float):
+    """snapshot <- d snapshot + (1 - d) theta; d <= 0 is a hard copy, d >= 1 leaves it frozen."""
+    with torch.no_grad():
+        for s, p in zip(snapshot, params):
+            s.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
+def advantage_to_unit(adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """A in [-c, c] -> a in [0, 1], with A = 0 -> 0.5 (as DiffusionNFT's r)."""
+    return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
+
+
+def implicit_reward(v, v_old, v_target, adaptive: bool) -> torch.Tensor:
+    """r_theta = -(||v - u||^2 - ||v_old - u||^2), per sample (the implicit log-ratio p_theta / p_old in velocity space).
+
+    With `adaptive`, each squared error is divided by its own detached mean absolute error, so samples and timesteps
+    with large errors do not dominate (DiffusionNFT's adaptive weighting)."""
+    err, err_old = (v - v_target) ** 2, (v_old - v_target) ** 2
+    if adaptive:
+        dims = tuple(range(1, v.dim()))
+        err = err / (v - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5).detach()
+        err_old = err_old / (v_old - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5)
+    return -(err - err_old).flatten(1).mean(1)
+
+
+def centring_weights(a: torch.Tensor, weight_temp: float):
+    """Weights (positive side, negative side) over one centring set of [0, 1] advantages a.
+
+    tau < 0: one uniform mean. tau > 0: softmax(a / tau) and softmax(-a / tau), i.e. centres pulled towards the best
+    and the worst samples. tau == 0: uniform over the samples above / below the set's mean advantage (Flow-Factory
+    tested a > 0 after mapping a to [0, 1], which selects everything; we pool on the centred advantage)."""
+    n = a.shape[0]
+    uniform = torch.full_like(a, 1.0 / n)
+    if weight_temp < 0:
+        return uniform, None
+    if weight_temp > 0:
+        return torch.softmax(a / weight_temp, 0), torch.softmax(-a / weight_temp, 0)
+    ac = a - a.mean()
+    pools = []
+    for mask in (ac > 1e-8, ac < -1e-8):
+        pools.append(mask.float() / mask.sum() if mask.any() else uniform)
+    return pools[0], pools[1]
+
+
+def matching_loss(r_c, a_c, loss_type: str) -> torch.Tensor:
+    if loss_type == "mse":
+        return (r_c - a_c) ** 2
+    return F.binary_cross_entropy_with_logits(r_c, torch.sigmoid(a_c), reduction="none")
+
+
+def crd_loss(r_theta, a, set_size: int, beta: float, loss_type: str, weight_temp: float) -> torch.Tensor:
+    """Centred reward matching: within each centring set S, match beta (r_i - c_S(r)) to a_i - c_S(a).
+
+    The centre c_S(r) is detached: centring cancels the prompt-dependent log Z(c) of the optimal policy without
+    letting the set's mean implicit reward drift. `set_size` = K for within-prompt centring, B for batch centring."""
+    losses = []
+    for r_s, a_s in zip(r_theta.split(set_size), a.split(set_size)):
+        for w in centring_weights(a_s, weight_temp):
+            if w is None:
+                continue
+            r_c = beta * (r_s - (w * r_s).sum().detach())
+            a_c = a_s - (w * a_s).sum()
+            losses.append(matching_loss(r_c, a_c, loss_type).mean() * (1.0 if weight_temp < 0 else 0.5))
+    return torch.stack(losses).sum() / (r_theta.shape[0] / set_size)
+
+
+def kl_to_base(v, v_ref, a, kl_beta: float, reward_adaptive: bool) -> torch.Tensor:
+    """kl_beta E ||v - v_ref||^2; reward-adaptive: per-sample weight 1e-4 + a (kl_beta - 1e-4)."""
+    kl_i = (v - v_ref).pow(2).flatten(1).mean(1)
+    if not reward_adaptive:
+        return kl_beta * kl_i.mean()
+    floor = min(1e-4, kl_beta)
+    return ((floor + a * (kl_beta - floor)) * kl_i).mean()
+
+
+def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation; NaN when either side is constant (e.g. a batch of zero-variance groups)."""
+    x, y = x - x.mean(), y - y.mean()
+    denom = (x.norm() * y.norm()).item()
+    return (x * y).sum().item() / denom if denom > 1e-12 else float("nan")
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    dist = common.setup_distributed(args.device)
+    device = dist.device
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        args.run_name = run_dir.name
+    else:
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
+    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)
+
+    # TRY NOT TO MODIFY: model, prompts, rewards
+    pipe = common.load_pipeline(args.model, device)
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    encoder = common.PromptEncoder(pipe)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    if args.num_prompts % dist.world_size:
+        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
+    local_prompts = args.num_prompts // dist.world_size
+    local_samples = local_prompts * args.group_size
+    if local_samples % args.micro_batch:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
+    num_micro = local_samples // args.micro_batch
+    if num_micro % args.grad_steps_per_epoch:
+        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
+    micro_per_step = num_micro // args.grad_steps_per_epoch
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
+            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, timesteps/micro-batch T={args.num_train_timesteps}, "
+            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
+        )
+
+    # ALGO LOGIC: the "old" snapshot (implicit-reward reference) and the "sampling" snapshot (rollout policy)
+    if args.centering == "group" and args.micro_batch % args.group_size:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}) for within-prompt centring")
+    old_snapshot = [p.detach().clone() for p in params]
+    sampling_snapshot = [p.detach().clone() for p in params]
+    snapshots = {"old": old_snapshot, "sampling": sampling_snapshot}  # saved with every checkpoint
+    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+
+    # TRY NOT TO MODIFY: generators, resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
+    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    start_epoch, step, images_seen = 0, 0, 0
+    if ckpt is not None:
+        common.load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        common.set_rng_state(ckpt["rng"])
+        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+    def save(epoch):
+        if dist.is_main:
+            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
+                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
+                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
+                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
+                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
+            })  # fmt: skip
+
+    def evaluate(epoch):
+        if dist.is_main:
+            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
+                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+            first = next(iter(scores))
+            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            return {k: v.mean().item() for k, v in scores.items()}
+
+    timer = common.Timer()
+    bad_steps = 0
+    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    for epoch in pbar:
+        if epoch % args.eval_every == 0:
+            pbar.set_postfix(evaluate(epoch))
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            embeds, pooled = encoder(prompts)
+            neg = encoder.negative(len(prompts))
+            with common.swapped_weights(params, sampling_snapshot):
+                rollout = common.sample(
+                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
+                    use_autocast=args.mixed_precision,
+                )  # fmt: skip
+            x0 = rollout.latents
+            images = common.decode(pipe, x0)
+
+        # ---- reward ----
+        with timer("reward"):
+            scores = rewards(images, prompts)
+            adv = common.aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
+            )
+            a = advantage_to_unit(adv, args.adv_clip).to(device)
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            # pass 1 (no grad): timesteps, noise, and the velocities of the old snapshot and the CFG-guided base,
+            # all computed before any update so every micro-batch of the epoch sees the same old model
+            batches = []
+            for mb in range(num_micro):
+                sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                for i in common.stratified_indices(eligible, args.num_train_timesteps, noise_gen):
+                    eps = torch.randn(x0[sl].shape, generator=noise_gen).to(device)
+                    s = sigmas[i]
+                    xt = (1 - s) * x0[sl] + s * eps
+                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    with torch.no_grad(), common.autocast(device, args.mixed_precision):
+                        with common.reference_model(transformer):
+                            v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg) if args.kl_beta > 0 else None
+                            if not args.use_old_for_loss:  # implicit reward relative to the base model itself
+                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                        if args.use_old_for_loss:
+                            with common.swapped_weights(params, old_snapshot):
+                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                    batches.append((sl, s, xt, eps - x0[sl], v_old, v_ref))
+
+            # pass 2: the centred reward-matching loss, grad_steps_per_epoch optimizer steps
+            stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "implicit_reward_corr": []}
+            per_step = micro_per_step * args.num_train_timesteps
+            set_size = args.group_size if args.centering == "group" else args.micro_batch
+            for k, (sl, s, xt, v_target, v_old, v_ref) in enumerate(batches):
+                with common.autocast(device, args.mixed_precision):
+                    v = common.velocity(transformer, xt, s, embeds[sl], pooled[sl], (neg[0][sl], neg[1][sl]), args.guidance_scale)
+                r_theta = implicit_reward(v, v_old, v_target, args.adaptive_logp)
+                policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
+                policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
+                kl = kl_to_base(v, v_ref, a[sl], args.kl_beta, args.reward_adaptive_kl) if v_ref is not None else torch.zeros(())
+                loss = policy_loss + kl
+                (loss / per_step).backward()
+                stats["policy_loss"].append(policy_loss.item())
+                stats["kl_ref"].append(kl.item())
+                stats["implicit_reward_corr"].append(correlation(r_theta.detach(), a[sl]))
+                if (k + 1) % per_step == 0:
+                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
+                    if grad_norm is None:  # non-finite: update skipped
+                        bad_steps += 1
+                        tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                        if bad_steps >= 5:
+                            save(epoch)
+                            raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                        continue
+                    bad_steps, step = 0, step + 1
+                    stats["grad_norm"].append(grad_norm)
+
+            # ALGO LOGIC: snapshot updates, indexed by the optimizer step (as in the authors' Flow-Factory code)
+            diagnostics = {"old_decay": snapshot_decay(args.old_model_decay, step),
+                           "sampling_decay": snapshot_decay(args.sampling_model_decay, step)}  # fmt: skip
+            update_snapshot(old_snapshot, params, diagnostics["old_decay"])
+            update_snapshot(sampling_snapshot, params, diagnostics["sampling_decay"])
+
+        # ---- logging ----
+        times = timer.pop()
+        total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": float(np.nanmean(v)) if v else float("nan") for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }  # fmt: skip
+        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    final = evaluate(args.num_epochs)
+    save(args.num_epochs)
+    if dist.is_main:
+        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+    logger.close()
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))

@@ -1,0 +1,338 @@
+"""Flow-GRPO, Liu et al. 2025, arXiv 2505.05470 -- docs/grpo.md
+
+    python algos/grpo.py                                                   # tiny-shapes on CPU, a few minutes
+    torchrun --nproc-per-node 8 algos/grpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
+"""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    device: Optional[str] = None
+    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder to continue exactly from its last checkpoint"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    eval_every: int = 10
+    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    save_every: int = 10
+    """checkpoint every this many epochs (and at the end)"""
+    mixed_precision: bool = False
+    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    reward: str = "shapes"
+    """reward name or weighted list, e.g. "shapes:1.0,jpeg_compressibility:0.1" """
+    train_prompts: str = common.TRAIN_PROMPTS
+    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompt file for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps of the rollout (and of evaluation)"""
+    guidance_scale: float = 4.5
+    """CFG scale of the rollout; the training forward uses the same (paper: 4.5)"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "Flow-SDE"
+    """rollout dynamics; GRPO needs a stochastic one (ODE is refused)"""
+    eta: float = 0.7
+    """noise level a of the SDE (Flow-GRPO's SDE: sigma_t = a sqrt(t / (1 - t)))"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global, across ranks)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per inner epoch (the micro-batches are split into this many accumulation chunks)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c]"""
+    advantage_std: Literal["group", "global"] = "group"
+    """std of the group z-score: per group (paper) or over all samples"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+
+    # Algorithm specific arguments
+    sde_window: tuple[int, int] = (1, -1)
+    """python slice of step indices that may be stochastic; (1, -1) = all but the first (sigma=1) and the last"""
+    num_sde_steps: int = 2
+    """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO)"""
+    num_inner_epochs: int = 1
+    """PPO epochs over each rollout buffer"""
+    clip_low: float = 1e-3
+    """PPO clip below: ratio >= 1 - clip_low (log-probs are per-element means, so ratios stay close to 1)"""
+    clip_high: float = 1e-3
+    """PPO clip above: ratio <= 1 + clip_high (DAPO-style asymmetric when different)"""
+    leave_one_out: bool = False
+    """RLOO baseline: the mean of the other K-1 rewards instead of the group mean"""
+    kl_beta: float = 0.0
+    """beta of the KL penalty to the base model (paper: 0.04 on GenEval, 0 for Flow-GRPO-Fast PickScore)"""
+    kl_type: Literal["x", "v"] = "x"
+    """"x": closed-form KL between the two Gaussian steps, ||mu - mu_ref||^2 / (2 std^2) (the paper's form); "v": ||v - v_ref||^2"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+
+
+# ALGO LOGIC: Flow-GRPO's math as small pure functions
+def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float):
+    """PPO's clipped surrogate on per-step likelihood ratios: mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)), r = p / p_old.
+
+    Returns (loss, ratio, approx_kl, clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped).mean()
+    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
+    clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
+    return loss, ratio.detach(), approx_kl, clipfrac
+
+
+def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(mean_ref, std^2)) per element, averaged per sample (same std: only the means differ)."""
+    return ((mean - mean_ref) ** 2 / (2 * std**2)).flatten(1).mean(1)
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    dist = common.setup_distributed(args.device)
+    device = dist.device
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        args.run_name = run_dir.name
+    else:
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
+    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)
+
+    # TRY NOT TO MODIFY: model, prompts, rewards
+    pipe = common.load_pipeline(args.model, device)
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    encoder = common.PromptEncoder(pipe)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    if args.num_prompts % dist.world_size:
+        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
+    local_prompts = args.num_prompts // dist.world_size
+    local_samples = local_prompts * args.group_size
+    if local_samples % args.micro_batch:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
+    num_micro = local_samples // args.micro_batch
+    if num_micro % args.grad_steps_per_epoch:
+        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
+    micro_per_step = num_micro // args.grad_steps_per_epoch
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
+            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch} x {args.num_inner_epochs} inner, trained steps/trajectory={args.num_sde_steps}, "
+            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
+        )
+
+    # ALGO LOGIC: which steps are stochastic, and the state a checkpoint must carry beyond weights and optimizer
+    if args.dynamics == "ODE":
+        raise common.UserError("Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)")
+    window = list(range(args.num_steps))[slice(*args.sde_window)]
+    if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
+        window = [i for i in window if i < args.num_steps - 1]
+    if not 1 <= args.num_sde_steps <= len(window):
+        raise common.UserError(f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})")
+    snapshots = {}  # GRPO keeps no snapshot: old log-probs come from the rollout itself
+
+    # TRY NOT TO MODIFY: generators, resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
+    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    start_epoch, step, images_seen = 0, 0, 0
+    if ckpt is not None:
+        common.load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        common.set_rng_state(ckpt["rng"])
+        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+    def save(epoch):
+        if dist.is_main:
+            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
+                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
+                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
+                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
+                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
+            })  # fmt: skip
+
+    def evaluate(epoch):
+        if dist.is_main:
+            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
+                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+            first = next(iter(scores))
+            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            return {k: v.mean().item() for k, v in scores.items()}
+
+    timer = common.Timer()
+    bad_steps = 0
+    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    for epoch in pbar:
+        if epoch % args.eval_every == 0:
+            pbar.set_postfix(evaluate(epoch))
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            embeds, pooled = encoder(prompts)
+            neg = encoder.negative(len(prompts))
+            # the same random subset of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
+            sde_steps = sorted(window[i] for i in torch.randperm(len(window), generator=prompt_gen)[: args.num_sde_steps])
+            rollout = common.sample(
+                transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, sde_steps=sde_steps,
+                generator=noise_gen, keep_trajectory=True, use_autocast=args.mixed_precision,
+            )  # fmt: skip
+            images = common.decode(pipe, rollout.latents)
+            sigmas = rollout.sigmas
+
+        # ---- reward ----
+        with timer("reward"):
+            scores = rewards(images, prompts)
+            adv = common.aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std,
+                leave_one_out=args.leave_one_out, clip=args.adv_clip,
+            ).to(device)  # fmt: skip
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "approx_kl": [], "clipfrac": [], "ratio_mean": []}
+            per_step = micro_per_step * len(sde_steps)
+            for inner in range(args.num_inner_epochs):
+                order = torch.randperm(local_samples, generator=noise_gen).to(device)
+                k = 0
+                for mb in range(num_micro):
+                    idx = order[mb * args.micro_batch : (mb + 1) * args.micro_batch]
+                    cond, neg_mb = (embeds[idx], pooled[idx]), (neg[0][idx], neg[1][idx])
+                    for i in sde_steps:
+                        x, x_next = rollout.trajectory[idx, i], rollout.trajectory[idx, i + 1]
+                        with common.autocast(device, args.mixed_precision):
+                            v = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                        # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
+                        _, log_prob, mean, std = common.sde_step(
+                            x, v, sigmas[i], sigmas[i + 1], args.dynamics, args.eta, x_next=x_next, sigma_cap=float(sigmas[1])
+                        )  # fmt: skip
+                        policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
+                            log_prob, rollout.log_probs[idx, i], adv[idx], args.clip_low, args.clip_high
+                        )
+                        kl = torch.zeros((), device=device)
+                        if args.kl_beta > 0:
+                            with torch.no_grad(), common.reference_model(transformer), common.autocast(device, args.mixed_precision):
+                                v_ref = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                            if args.kl_type == "x":
+                                _, _, mean_ref, _ = common.sde_step(x, v_ref, sigmas[i], sigmas[i + 1], args.dynamics, args.eta,
+                                                                    x_next=x_next, sigma_cap=float(sigmas[1]))  # fmt: skip
+                                kl = gaussian_kl(mean, mean_ref, std).mean()
+                            else:
+                                kl = (v - v_ref).pow(2).flatten(1).mean(1).mean()
+                        loss = policy_loss + args.kl_beta * kl
+                        (loss / per_step).backward()
+                        k += 1
+                        for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("approx_kl", approx_kl),
+                                            ("clipfrac", clipfrac), ("ratio_mean", ratio.mean())):  # fmt: skip
+                            stats[name].append(value.item())
+                        if k % per_step == 0:
+                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
+                            if grad_norm is None:  # non-finite: update skipped
+                                bad_steps += 1
+                                tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                                if bad_steps >= 5:
+                                    save(epoch)
+                                    raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                                continue
+                            bad_steps, step = 0, step + 1
+                            stats["grad_norm"].append(grad_norm)
+            diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))), "sde_steps_mean": float(np.mean(sde_steps))}
+
+        # ---- logging ----
+        times = timer.pop()
+        total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": float(np.nanmean(v)) if v else float("nan") for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }  # fmt: skip
+        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    final = evaluate(args.num_epochs)
+    save(args.num_epochs)
+    if dist.is_main:
+        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+    logger.close()
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))

@@ -1,0 +1,79 @@
+"""Score a model (default: the embedded tiny-shapes base) on the held-out prompts, per GenEval category.
+
+    python benchmark/base_model.py                          # ODE, 10 steps, CFG 1 and 4.5, 4 seeds per prompt
+    python benchmark/base_model.py --grid assets/tiny-shapes-samples.png
+
+Prints a markdown table of the mean `shapes` score and the strict (all requirements met) pass rate per category.
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import shapes  # noqa: E402
+
+
+def score_model(pipe, rows, guidance_scale, num_steps, seeds):
+    encoder = common.PromptEncoder(pipe)
+    prompts = [r["prompt"] for r in rows]
+    per_cat = defaultdict(lambda: {"score": [], "strict": []})
+    images = []
+    for seed in seeds:
+        imgs, _ = common.evaluate(pipe, pipe.transformer, encoder, prompts, lambda i, p: {}, num_steps=num_steps,
+                                  guidance_scale=guidance_scale, seed=seed)  # fmt: skip
+        result = shapes.evaluate(imgs, prompts)
+        for r, s, st in zip(rows, result["score"], result["strict"]):
+            for cat in (r.get("category", "all"), "overall"):
+                per_cat[cat]["score"].append(s.item())
+                per_cat[cat]["strict"].append(st.item())
+        images.append(imgs)
+    return per_cat, images[0]
+
+
+def save_grid(images, prompts, path, ncol=6):
+    n = len(images)
+    nrow = -(-n // ncol)
+    cell_w, cell_h = 200, 150
+    canvas = Image.new("RGB", (ncol * cell_w, nrow * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (img, prompt) in enumerate(zip(images, prompts)):
+        r, c = divmod(i, ncol)
+        pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).resize((128, 128), Image.NEAREST)
+        canvas.paste(pil, (c * cell_w + 36, r * cell_h + 2))
+        draw.text((c * cell_w + 4, r * cell_h + 132), prompt[:34], fill="black")
+    canvas.save(path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=common.TINY_MODEL)
+    ap.add_argument("--prompts", default=common.TEST_PROMPTS)
+    ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--guidance-scales", type=float, nargs="+", default=[1.0, 4.5])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--grid", default=None, help="save a PNG grid of the first seed's samples (at the first CFG scale)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    pipe = common.load_pipeline(args.model, torch.device("cpu"))
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    for g in args.guidance_scales:
+        per_cat, images = score_model(pipe, rows, g, args.num_steps, args.seeds)
+        print(f"\nCFG {g}, {args.num_steps} ODE steps, seeds {args.seeds}, {len(rows)} prompts\n")
+        print("| category | prompts | mean shapes score | strict pass rate |\n|---|---|---|---|")
+        for cat, v in sorted(per_cat.items(), key=lambda kv: kv[0] == "overall"):
+            print(f"| {cat} | {len(v['score']) // len(args.seeds)} | {np.mean(v['score']):.3f} | {np.mean(v['strict']):.3f} |")
+        if args.grid and g == args.guidance_scales[0]:
+            save_grid(images, [r["prompt"] for r in rows], args.grid)
+            print(f"\ngrid saved to {args.grid}")
+
+
+if __name__ == "__main__":
+    main()

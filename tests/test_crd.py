@@ -1,0 +1,128 @@
+"""CRD: loss pieces against explicit per-group loops, and the script end to end on the tiny model."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from algos import crd
+
+
+def test_snapshot_decay_schedules():
+    assert crd.snapshot_decay("0-0.25-0.005-0.999", 0) == 0.25
+    assert crd.snapshot_decay("0-0.25-0.005-0.999", 100) == pytest.approx(0.75)
+    assert crd.snapshot_decay("0-0.25-0.005-0.999", 500) == 0.999
+    assert crd.snapshot_decay("75-0.0-0.0075-0.999", 74) == 0.0
+    assert crd.snapshot_decay("75-0.0-0.0075-0.999", 100) == pytest.approx(0.1875)
+    assert crd.snapshot_decay("medium", 100) == pytest.approx(0.1875)
+    assert crd.snapshot_decay("offline", 7) == 1.0
+    with pytest.raises(Exception, match="start_step-start_value-slope-end_value"):
+        crd.snapshot_decay("0.5", 1)
+
+
+def test_update_snapshot_copy_frozen_and_mix():
+    p = [torch.tensor([1.0, 2.0])]
+    for d, expected in ((0.0, [1.0, 2.0]), (1.0, [0.0, 0.0]), (0.25, [0.75, 1.5]), (-1.0, [1.0, 2.0])):
+        s = [torch.zeros(2)]
+        crd.update_snapshot(s, p, d)
+        assert s[0].tolist() == pytest.approx(expected)
+
+
+def test_advantage_to_unit():
+    a = crd.advantage_to_unit(torch.tensor([-10.0, -5.0, 0.0, 2.5, 5.0, 9.0]), 5.0)
+    assert a.tolist() == pytest.approx([0.0, 0.0, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_implicit_reward_matches_explicit_formula():
+    g = torch.Generator().manual_seed(0)
+    v, v_old, u = (torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    plain = crd.implicit_reward(v, v_old, u, adaptive=False)
+    adaptive = crd.implicit_reward(v, v_old, u, adaptive=True)
+    for i in range(3):
+        e, e_old = (v[i] - u[i]).numpy().ravel(), (v_old[i] - u[i]).numpy().ravel()
+        assert plain[i].item() == pytest.approx(-(np.mean(e**2) - np.mean(e_old**2)))
+        expected = -(np.mean(e**2 / np.mean(np.abs(e))) - np.mean(e_old**2 / np.mean(np.abs(e_old))))
+        assert adaptive[i].item() == pytest.approx(expected)
+    # the adaptive weight of the current model is detached: d r / d v = -2 e / mean|e|
+    v.requires_grad_(True)
+    crd.implicit_reward(v, v_old, u, adaptive=True)[0].backward()
+    e = (v - u)[0].detach()
+    torch.testing.assert_close(v.grad[0], -2 * e / e.abs().mean() / e.numel())
+
+
+def _centred_loss_reference(r, a, k, beta, centre):
+    """Explicit loop: each group of k; centre(vals, a_group) -> weights; loss = mean (beta(r - c_r) - (a - c_a))^2."""
+    total = 0.0
+    groups = len(r) // k
+    for g in range(groups):
+        rs, as_ = r[g * k : (g + 1) * k], a[g * k : (g + 1) * k]
+        sides = centre(as_)
+        for w in sides:
+            total += np.mean((beta * (rs - np.dot(w, rs)) - (as_ - np.dot(w, as_))) ** 2) / len(sides)
+    return total / groups
+
+
+def test_crd_loss_uniform_mse_and_detached_centre():
+    r = torch.tensor([0.3, -0.1, 0.2, 0.0, 1.0, 2.0, -1.0, 0.5], dtype=torch.float64, requires_grad=True)
+    a = torch.tensor([0.9, 0.2, 0.6, 0.5, 0.1, 0.8, 0.5, 0.5], dtype=torch.float64)
+    loss = crd.crd_loss(r, a, 4, beta=2.0, loss_type="mse", weight_temp=-1)
+    ref = _centred_loss_reference(r.detach().numpy(), a.numpy(), 4, 2.0, lambda x: [np.full(len(x), 1 / len(x))])
+    assert loss.item() == pytest.approx(ref)
+    loss.backward()
+    # centre detached: dL/dr_i = 2 beta (beta (r_i - m_r) - (a_i - m_a)) / (K * groups)
+    rr, aa = r.detach().view(2, 4), a.view(2, 4)
+    resid = 2.0 * (rr - rr.mean(1, keepdim=True)) - (aa - aa.mean(1, keepdim=True))
+    torch.testing.assert_close(r.grad, (2 * 2.0 * resid / 8).view(-1))
+
+
+def test_crd_loss_softmax_and_hard_pools():
+    r = torch.tensor([0.3, -0.1, 0.2, 0.0, 1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    a = torch.tensor([0.9, 0.7, 0.3, 0.1, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64)  # second group: zero variance
+    tau = 0.3
+
+    def soft(x):
+        e = np.exp(x / tau)
+        return [e / e.sum(), np.exp(-x / tau) / np.exp(-x / tau).sum()]
+
+    loss = crd.crd_loss(r, a, 4, 1.0, "mse", tau)
+    assert loss.item() == pytest.approx(_centred_loss_reference(r.numpy(), a.numpy(), 4, 1.0, soft))
+
+    def hard(x):
+        c = x - x.mean()
+        pools = []
+        for m in (c > 1e-8, c < -1e-8):
+            pools.append(m / m.sum() if m.any() else np.full(len(x), 1 / len(x)))
+        return pools
+
+    loss = crd.crd_loss(r, a, 4, 1.0, "mse", 0.0)
+    assert loss.item() == pytest.approx(_centred_loss_reference(r.numpy(), a.numpy(), 4, 1.0, hard))
+    # the hard pools really split the group: top two vs bottom two, not "everything with a > 0"
+    pos, neg = crd.centring_weights(a[:4], 0.0)
+    assert pos.tolist() == [0.5, 0.5, 0.0, 0.0] and neg.tolist() == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_crd_loss_bce():
+    r = torch.tensor([0.3, -0.1, 0.2, 0.0], dtype=torch.float64)
+    a = torch.tensor([0.9, 0.2, 0.6, 0.5], dtype=torch.float64)
+    loss = crd.crd_loss(r, a, 4, 1.5, "bce", -1)
+    x = 1.5 * (r - r.mean()).numpy()
+    y = 1 / (1 + np.exp(-(a - a.mean()).numpy()))
+    expected = np.mean(np.log1p(np.exp(-np.abs(x))) + np.maximum(x, 0) - x * y)  # BCE with logits
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_kl_to_base_reward_adaptive():
+    g = torch.Generator().manual_seed(0)
+    v, v_ref = torch.randn(4, 3, 2, 2, generator=g), torch.randn(4, 3, 2, 2, generator=g)
+    a = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    per = ((v - v_ref) ** 2).mean(dim=(1, 2, 3))
+    assert crd.kl_to_base(v, v_ref, a, 0.1, False).item() == pytest.approx(0.1 * per.mean().item(), rel=1e-6)
+    w = 1e-4 + a * (0.1 - 1e-4)
+    assert crd.kl_to_base(v, v_ref, a, 0.1, True).item() == pytest.approx((w * per).mean().item(), rel=1e-6)
+
+
+def test_correlation_matches_numpy():
+    x, y = torch.tensor([0.1, 0.5, 0.2, 0.9]), torch.tensor([1.0, 3.0, 2.0, 2.5])
+    assert crd.correlation(x, y) == pytest.approx(np.corrcoef(x.numpy(), y.numpy())[0, 1], rel=1e-5)
+    assert math.isnan(crd.correlation(x, torch.ones(4)))
