@@ -588,6 +588,12 @@ class Timer:
         return out
 
 
+def nanmean(values) -> float:
+    """Mean ignoring NaNs; NaN (without numpy's warning) when nothing is left."""
+    finite = [float(v) for v in values if not math.isnan(float(v))]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 def peak_rss_mb() -> float:
     import resource
 

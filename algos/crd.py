@@ -415,7 +415,7 @@ def main(args: Args):
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
-            **{f"losses/{k}": float(np.nanmean(v)) if v else float("nan") for k, v in stats.items()},
+            **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }  # fmt: skip
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}

@@ -1,0 +1,81 @@
+"""Reward registry: `name -> factory(device) -> fn(images [B,3,H,W] in [0,1], prompts) -> FloatTensor[B]`.
+
+`load_rewards("shapes:1.0,jpeg_compressibility:0.1", device)` builds a weighted set. Factories import their heavy
+dependencies themselves, so importing this package stays cheap.
+"""
+
+import importlib
+from typing import Callable, Dict
+
+import torch
+
+from common import UserError
+
+
+def _lazy(module: str, name: str) -> Callable:
+    def factory(device):
+        return getattr(importlib.import_module(f"rewards.{module}"), name)(device)
+
+    return factory
+
+
+REWARDS: Dict[str, Callable] = {
+    "shapes": _lazy("shapes", "shapes"),
+    "jpeg_compressibility": _lazy("jpeg", "jpeg_compressibility"),
+    "jpeg_incompressibility": _lazy("jpeg", "jpeg_incompressibility"),
+    "pickscore": _lazy("pickscore", "pickscore"),
+    "clipscore": _lazy("clipscore", "clipscore"),
+    "aesthetic": _lazy("aesthetic", "aesthetic"),
+}
+
+
+def parse_reward_spec(spec: str) -> Dict[str, float]:
+    """"a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0."""
+    weights = {}
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        if not name:
+            raise UserError(f"empty reward name in {spec!r}; available: {', '.join(REWARDS)}")
+        if name not in REWARDS:
+            raise UserError(f"unknown reward {name!r}; available: {', '.join(REWARDS)}")
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise UserError(f"bad weight {weight!r} for reward {name!r} (expected a number, e.g. {name}:0.5)")
+    return weights
+
+
+class MultiReward:
+    """Calls each reward once per batch and checks its output; `total` is the weighted sum."""
+
+    def __init__(self, weights: Dict[str, float], device):
+        self.weights = weights
+        self.fns = {name: REWARDS[name](device) for name in weights}
+
+    def __call__(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name, fn in self.fns.items():
+            value = fn(images, list(prompts))
+            if not isinstance(value, torch.Tensor) or value.shape != (images.shape[0],):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise UserError(f"reward {name!r} returned {shape}, expected a tensor of shape ({images.shape[0]},)")
+            if not torch.isfinite(value).all():
+                raise UserError(f"reward {name!r} returned NaN or inf for {int((~torch.isfinite(value)).sum())} of {len(value)} images")
+            out[name] = value.float().to(images.device)
+        return out
+
+    def total(self, scores: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum(w * scores[name] for name, w in self.weights.items())
+
+    def evaluate(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
+        """Eval metrics: every reward, plus GenEval's strict pass rate when `shapes` is one of them."""
+        out = self(images, prompts)
+        if "shapes" in self.weights:
+            from rewards import shapes
+
+            out["shapes_strict"] = shapes.evaluate(images, list(prompts))["strict"].to(images.device)
+        return out
+
+
+def load_rewards(spec: str, device) -> MultiReward:
+    return MultiReward(parse_reward_spec(spec), device)
