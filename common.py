@@ -34,7 +34,7 @@ TEST_PROMPTS = str(REPO / "assets" / "test.jsonl")
 DYNAMICS = ("ODE", "Flow-SDE", "Dance-SDE", "CPS")
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """Bad input from the user: reported as one line, without a traceback (see `run_main`)."""
 
 
@@ -93,6 +93,34 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def check_same_on_all_ranks(params: Sequence[torch.Tensor]):
+    """Trainable weights must start identical on every rank (seeding alone is not a guarantee)."""
+    if not dist.is_initialized():
+        return
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().view(1)
+    gathered = all_gather_cat(checksum.to(params[0].device))
+    if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
+        raise UserError(f"trainable weights differ across ranks at start (checksums {gathered.tolist()})")
+
+
+class GracefulStop:
+    """First Ctrl-C (or SIGTERM): finish the current epoch, checkpoint and exit cleanly; a second Ctrl-C aborts."""
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        self._default = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstop requested: finishing this epoch, then saving a checkpoint (Ctrl-C again to abort)", file=sys.stderr)
+
+
 def cleanup_distributed():
     if dist.is_initialized():
         dist.barrier()  # without it a rank can abort at exit while another is still tearing down
@@ -102,10 +130,14 @@ def cleanup_distributed():
 # ----------------------------------------------------------------------------------------------------------------
 # model: a diffusers SD3-family pipeline, LoRA via peft, the reference model = adapter disabled
 # ----------------------------------------------------------------------------------------------------------------
-def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32):
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
     """Load a `StableDiffusion3Pipeline` from a local folder or a hub id, frozen, in eval mode.
 
     T5 (text_encoder_3) is optional: when the folder has none, the pipeline pads the text sequence with zeros.
+    `resolution` (pixels, default the model's native size) sets `pipe.latent_shape`, what the sampler draws.
     """
     from diffusers import StableDiffusion3Pipeline
 
@@ -124,6 +156,11 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
     pipe.set_progress_bar_config(disable=True)
+    cfg = pipe.transformer.config
+    latent = cfg.sample_size if resolution is None else resolution // pipe.vae_scale_factor
+    if resolution is not None and (resolution % (pipe.vae_scale_factor * cfg.patch_size) or latent < cfg.patch_size):
+        raise UserError(f"resolution {resolution} must be a multiple of {pipe.vae_scale_factor * cfg.patch_size}")
+    pipe.latent_shape = (cfg.in_channels, latent, latent)
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         if m is not None:
             m.requires_grad_(False).eval()
@@ -347,8 +384,8 @@ def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guida
         embeds, pooled = encoder(chunk)
         neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
         gen = torch.Generator().manual_seed(seed + k)
-        out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps,
-                     guidance_scale=guidance_scale, generator=gen, use_autocast=use_autocast)  # fmt: skip
+        out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps, guidance_scale=guidance_scale,
+                     generator=gen, latent_shape=getattr(pipe, "latent_shape", None), use_autocast=use_autocast)  # fmt: skip
         imgs = decode(pipe, out.latents)
         for name, value in reward_fn(imgs, chunk).items():
             scores.setdefault(name, []).append(value.float().cpu())

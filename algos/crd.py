@@ -44,6 +44,10 @@ class Args:
     """checkpoint every this many epochs (and at the end)"""
     mixed_precision: bool = False
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    resolution: Optional[int] = None
+    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
 
     # Model & sampler
     model: str = common.TINY_MODEL
@@ -242,11 +246,12 @@ def main(args: Args):
     logger = common.Logger(run_dir, args, enabled=dist.is_main)
 
     # TRY NOT TO MODIFY: model, prompts, rewards
-    pipe = common.load_pipeline(args.model, device)
+    pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    common.check_same_on_all_ranks(params)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     encoder = common.PromptEncoder(pipe)
     train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
@@ -317,10 +322,14 @@ def main(args: Args):
             logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
-    timer = common.Timer()
-    bad_steps = 0
+    timer, stop = common.Timer(), common.GracefulStop()
+    bad_steps, stopped_at = 0, None
     pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
     for epoch in pbar:
+        if stop.requested:
+            save(epoch)
+            stopped_at = epoch
+            break
         if epoch % args.eval_every == 0:
             pbar.set_postfix(evaluate(epoch))
         if epoch % args.save_every == 0 and epoch > start_epoch:
@@ -336,7 +345,7 @@ def main(args: Args):
                 rollout = common.sample(
                     transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
-                    use_autocast=args.mixed_precision,
+                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
                 )  # fmt: skip
             x0 = rollout.latents
             images = common.decode(pipe, x0)
@@ -425,8 +434,11 @@ def main(args: Args):
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close
-    final = evaluate(args.num_epochs)
-    save(args.num_epochs)
+    if stopped_at is not None:
+        final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+    else:
+        final = evaluate(args.num_epochs)
+        save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
     logger.close()

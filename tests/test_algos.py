@@ -3,21 +3,23 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --eval-every 1 --save-every 1"
+TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1"
 # per-algorithm flags that keep the smoke run small
 EXTRA = {
     "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 2",
+    "nft": "--num-train-timesteps 2",
 }
 
 
 def run(algo, flags, tmp_path, check=True):
-    cmd = f"{sys.executable} algos/{algo}.py {TINY} {EXTRA[algo]} --test-prompts {tmp_path / 'test.txt'} {flags}"
+    cmd = f"{sys.executable} algos/{algo}.py {TINY} {EXTRA[algo]} --test-prompts {tmp_path / 'test.txt'} --eval-every 1 {flags}"
     out = subprocess.run(cmd, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
     if check and out.returncode != 0:
         raise AssertionError(f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
@@ -60,3 +62,48 @@ def test_bad_flags_give_one_line(algo, prompts):
     assert out.stderr.strip().splitlines()[-1].startswith("error: micro_batch (3)")
     out = run(algo, "--num-epochs 1 --reward nosuchreward", prompts, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "shapes" in out.stderr
+
+
+def _wait_for_checkpoint(proc, path, min_epoch, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if path.exists():
+            try:
+                if torch.load(path, weights_only=False)["epoch"] >= min_epoch:
+                    return
+            except Exception:  # noqa: BLE001 - renamed in between; try again
+                pass
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before epoch {min_epoch}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint in time")
+
+
+def test_killed_or_interrupted_runs_resume_exactly(prompts):
+    """SIGKILL between epochs, and Ctrl-C (finish the epoch, save, exit 0): both resume to the uninterrupted result."""
+    import signal
+
+    algo, flags = "crd", "--num-epochs 4 --eval-every 10"
+    run(algo, f"{flags} --output-dir {prompts / 'a'}", prompts)
+    (a_dir,) = (prompts / "a").iterdir()
+    a = torch.load(a_dir / "checkpoints" / "last.pt", weights_only=False)
+    for name, sig in (("kill", signal.SIGKILL), ("int", signal.SIGINT)):
+        out_dir = prompts / name
+        cmd = f"{sys.executable} algos/{algo}.py {TINY} {EXTRA[algo]} --test-prompts {prompts / 'test.txt'} {flags} --output-dir {out_dir}"
+        proc = subprocess.Popen(cmd.split(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # wait for the first run directory, then for a checkpoint written at an epoch boundary
+        while not out_dir.exists() or not list(out_dir.iterdir()):
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        (run_dir,) = out_dir.iterdir()
+        _wait_for_checkpoint(proc, run_dir / "checkpoints" / "last.pt", 1)
+        proc.send_signal(sig)
+        stdout, _ = proc.communicate(timeout=240)
+        if sig == signal.SIGINT:
+            assert proc.returncode == 0 and "continue with --resume" in stdout
+        assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["epoch"] < 4
+        run(algo, f"{flags} --resume {run_dir}", prompts)
+        b = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+        assert b["epoch"] == 4 and b["step"] == a["step"]
+        for key, value in a["params"].items():
+            assert torch.equal(value, b["params"][key]), (name, key)

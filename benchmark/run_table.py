@@ -1,0 +1,159 @@
+"""The CPU results table: every algorithm on tiny-shapes, several seeds, each with its default hyperparameters.
+
+    python benchmark/run_table.py                                   # shapes reward, 3 seeds, ~1 h on 2 cores
+    python benchmark/run_table.py --reward jpeg_compressibility --threshold -0.8
+    python benchmark/run_table.py --quick                           # 1 seed, 1/3 of the epochs: ~10 min
+    python benchmark/run_table.py --table-only                      # re-read finished runs, rewrite table + plots
+
+Runs go to benchmark/results/<reward>/runs/ (not in git); the table (results.md) and the plots
+(score_vs_images.png, score_vs_time.png) go to benchmark/results/<reward>/. Every run's args.json records the git
+commit it ran at, and the table lists the commits it was built from.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ALGOS = ("crd", "grpo", "nft", "awm", "dgpo")
+
+
+def default_epochs(algo: str) -> int:
+    sys.path.insert(0, str(REPO))
+    import importlib
+
+    return importlib.import_module(f"algos.{algo}").Args().num_epochs
+
+
+def run(algo, seed, args, out):
+    epochs = args.epochs or default_epochs(algo)
+    if args.quick:
+        epochs = max(2, epochs // 3)
+    log = out / f"{algo}__{seed}.log"
+    cmd = [sys.executable, str(REPO / "algos" / f"{algo}.py"), "--reward", args.reward, "--seed", str(seed),
+           "--num-epochs", str(epochs), "--output-dir", str(out / "runs"), "--exp-name", algo, *args.extra]  # fmt: skip
+    print(" ".join(cmd[1:]), flush=True)
+    with open(log, "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, cwd=REPO)
+
+
+def read_run(run_dir: Path, reward: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+
+    def series(tag):
+        return [(e.step, e.wall_time, e.value) for e in acc.Scalars(tag)] if tag in tags else []
+
+    ev = series(f"eval/{reward}")
+    t0 = min(e.wall_time for tag in tags for e in acc.Scalars(tag))
+    out = {
+        "images": np.array([s for s, _, _ in ev]), "wall": np.array([w - t0 for _, w, _ in ev]),
+        "score": np.array([v for _, _, v in ev]),
+        "strict": np.array([v for _, _, v in series(f"eval/{reward}_strict")]),
+        "time": {k: float(np.mean([v for _, _, v in series(f"time/{k}")] or [np.nan])) for k in ("sampling", "reward", "training")},
+    }  # fmt: skip
+    log = run_dir.parents[1] / f"{run_dir.name.split('__')[1]}__{run_dir.name.split('__')[2]}.log"
+    rss = re.findall(r"peak RSS (\d+) MB", log.read_text()) if log.exists() else []
+    out["rss"] = float(rss[-1]) if rss else np.nan
+    out["commit"] = json.loads((run_dir / "args.json").read_text()).get("git_commit", "?")
+    return out
+
+
+def first_reach(images, wall, score, threshold):
+    hit = np.nonzero(score >= threshold)[0]
+    return (images[hit[0]], wall[hit[0]]) if len(hit) else (np.nan, np.nan)
+
+
+def fmt(values, digits=3):
+    values = np.asarray(values, dtype=float)
+    if np.isnan(values).all():
+        return "n/a"
+    return f"{np.nanmean(values):.{digits}f} ± {np.nanstd(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
+
+
+def table(results, args, out):
+    lines = [f"Reward `{args.reward}`, tiny-shapes, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
+             f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
+             f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}.", "",
+             "| algorithm | seeds | base | final | final strict | images to reach | wall-clock to reach (s) | "
+             "s/epoch sampling / reward / training | peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for algo, runs in results.items():
+        reach = [first_reach(r["images"], r["wall"], r["score"], args.threshold) for r in runs]
+        t = {k: np.mean([r["time"][k] for r in runs]) for k in ("sampling", "reward", "training")}
+        strict = [r["strict"][-1] if len(r["strict"]) else np.nan for r in runs]
+        lines.append(
+            f"| [{algo}](../../../docs/{algo}.md) | {len(runs)} | {fmt([r['score'][0] for r in runs])} | "
+            f"{fmt([r['score'][-1] for r in runs])} | {fmt(strict)} | {fmt([x for x, _ in reach], 0)} | "
+            f"{fmt([w for _, w in reach], 0)} | {t['sampling']:.1f} / {t['reward']:.1f} / {t['training']:.1f} | "
+            f"{fmt([r['rss'] for r in runs], 0)} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plots(results, args, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for x_key, x_label, name in (("images", "images sampled", "score_vs_images.png"), ("wall", "wall-clock (s)", "score_vs_time.png")):
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+        for algo, runs in results.items():
+            n = min(len(r["score"]) for r in runs)
+            x = np.mean([r[x_key][:n] for r in runs], axis=0)
+            y = np.array([r["score"][:n] for r in runs])
+            ax.plot(x, y.mean(0), label=algo)
+            if len(runs) > 1:
+                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(f"held-out {args.reward}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    ap.add_argument("--reward", default="shapes")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--epochs", type=int, default=None, help="override every algorithm's default num_epochs")
+    ap.add_argument("--threshold", type=float, default=0.6)
+    ap.add_argument("--quick", action="store_true", help="one seed, a third of the epochs")
+    ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
+    args = ap.parse_args()
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    out = REPO / "benchmark" / "results" / args.reward.replace(":", "_").replace(",", "+")
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if not args.table_only:
+        for algo in args.algos:
+            for seed in args.seeds:
+                run(algo, seed, args, out)
+    results = {}
+    for algo in args.algos:
+        dirs = sorted((out / "runs").glob(f"*__{algo}__*"))
+        latest = {}
+        for d in dirs:  # the newest run per seed
+            latest[d.name.split("__")[2]] = d
+        runs = [read_run(d, args.reward.split(":")[0].split(",")[0]) for s, d in sorted(latest.items()) if int(s) in args.seeds]
+        if runs:
+            results[algo] = runs
+    table(results, args, out)
+    plots(results, args, out)
+
+
+if __name__ == "__main__":
+    main()
