@@ -72,8 +72,8 @@ class Args:
     """LoRA alpha (the update is scaled by alpha / r)"""
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
-    learning_rate: float = 1e-3
-    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    learning_rate: float = 3e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4); the tiny model needs a high one to move within minutes"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -96,8 +96,12 @@ class Args:
     # Algorithm specific arguments
     sde_window: tuple[int, int] = (1, -1)
     """python slice of step indices that may be stochastic; (1, -1) = all but the first (sigma=1) and the last"""
-    num_sde_steps: int = 2
-    """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO)"""
+    num_sde_steps: int = 4
+    """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO;
+    paper-Fast: 2 of steps 1..5)"""
+    shared_group_noise: bool = True
+    """the K images of a prompt start from the same noise and diverge only at the SDE steps (Flow-GRPO-Fast's
+    branching), so the reward differences within a group are caused by the steps that are trained"""
     num_inner_epochs: int = 1
     """PPO epochs over each rollout buffer"""
     clip_low: float = 1e-3
@@ -249,8 +253,12 @@ def main(args: Args):
             neg = encoder.negative(len(prompts))
             # the same random subset of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sorted(window[i] for i in torch.randperm(len(window), generator=prompt_gen)[: args.num_sde_steps])
+            noise = torch.randn((local_samples // args.group_size if args.shared_group_noise else local_samples, *pipe.latent_shape),
+                                generator=noise_gen)  # fmt: skip
+            if args.shared_group_noise:
+                noise = noise.repeat_interleave(args.group_size, dim=0)
             rollout = common.sample(
-                transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps, noise=noise,
                 guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, sde_steps=sde_steps,
                 generator=noise_gen, keep_trajectory=True, latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
             )  # fmt: skip
