@@ -372,12 +372,15 @@ def sample(
 
 
 @torch.no_grad()
-def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32, use_autocast=False):
-    """ODE samples for a fixed prompt list with fixed noise (seed + chunk index), scored by `reward_fn`.
+def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32,
+             use_autocast=False, repeats: int = 2):  # fmt: skip
+    """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
+    scored by `reward_fn`.
 
-    Returns (images [B,3,H,W], {reward name: [B]}). The same prompts and seed give the same noise in every run and
-    every algorithm, so eval curves are comparable.
+    Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
+    the same noise in every run and every algorithm, so eval curves are comparable.
     """
+    prompts = list(prompts) * repeats
     images, scores = [], {}
     for k in range(0, len(prompts), batch):
         chunk = prompts[k : k + batch]

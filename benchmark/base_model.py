@@ -28,7 +28,7 @@ def score_model(pipe, rows, guidance_scale, num_steps, seeds):
     images = []
     for seed in seeds:
         imgs, _ = common.evaluate(pipe, pipe.transformer, encoder, prompts, lambda i, p: {}, num_steps=num_steps,
-                                  guidance_scale=guidance_scale, seed=seed)  # fmt: skip
+                                  guidance_scale=guidance_scale, seed=seed, repeats=1)  # fmt: skip
         result = shapes.evaluate(imgs, prompts)
         for r, s, st in zip(rows, result["score"], result["strict"]):
             for cat in (r.get("category", "all"), "overall"):
