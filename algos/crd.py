@@ -274,7 +274,7 @@ def main(args: Args):
         print(
             f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
             f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch}, timesteps/micro-batch T={args.num_train_timesteps}, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
             f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
         )
 
@@ -286,6 +286,8 @@ def main(args: Args):
     snapshots = {"old": old_snapshot, "sampling": sampling_snapshot}  # saved with every checkpoint
     sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if dist.is_main:
+        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")
 
     # TRY NOT TO MODIFY: generators, resume
     prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order

@@ -183,7 +183,7 @@ def main(args: Args):
         print(
             f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
             f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch} x {args.num_inner_epochs} inner, trained steps/trajectory={args.num_sde_steps}, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
             f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
         )
 
@@ -196,6 +196,8 @@ def main(args: Args):
     if not 1 <= args.num_sde_steps <= len(window):
         raise common.UserError(f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})")
     snapshots = {}  # GRPO keeps no snapshot: old log-probs come from the rollout itself
+    if dist.is_main:
+        print(f"trained SDE steps per trajectory={args.num_sde_steps} of the window {window}, PPO inner epochs={args.num_inner_epochs}")
 
     # TRY NOT TO MODIFY: generators, resume
     prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
