@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro

@@ -1,0 +1,388 @@
+"""DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117 -- docs/nft.md
+
+    python algos/nft.py                                                    # tiny-shapes on CPU, a few minutes
+    torchrun --nproc-per-node 8 algos/nft.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # docs/nft.md
+"""
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    device: Optional[str] = None
+    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder to continue exactly from its last checkpoint"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    eval_every: int = 10
+    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    save_every: int = 10
+    """checkpoint every this many epochs (and at the end)"""
+    mixed_precision: bool = False
+    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    resolution: Optional[int] = None
+    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    reward: str = "shapes"
+    """reward name or weighted list, e.g. "shapes:1.0,jpeg_compressibility:0.1" """
+    train_prompts: str = common.TRAIN_PROMPTS
+    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompt file for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps of the rollout (and of evaluation)"""
+    guidance_scale: float = 1.0
+    """CFG scale of the rollout and of the policy's training forward (DiffusionNFT trains CFG-free)"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
+    """rollout dynamics; DiffusionNFT only needs clean samples, so the ODE is the default (paper: 2nd-order ODE)"""
+    eta: float = 0.7
+    """noise level of the SDE dynamics (unused for ODE)"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    learning_rate: float = 3e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4); higher than crd.py's 1e-3: one AdamW step per epoch (see docs)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global, across ranks)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch"""
+    grad_steps_per_epoch: int = 1
+    """optimizer steps per epoch (the epoch's micro-batches are split into this many accumulation chunks; paper: 1)"""
+    num_train_timesteps: int = 4
+    """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 9 of N=10 per image)"""
+    timestep_range: float = 0.99
+    """train on the schedule indices whose sigma >= 1 - range (0.99: all of them)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c] before being mapped to r in [0, 1]"""
+    advantage_std: Literal["group", "global"] = "global"
+    """std of the group z-score: per group or over all samples (paper: global)"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+
+    # Algorithm specific arguments
+    nft_beta: float = 1.0
+    """beta, guidance strength of the implicit policies v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v
+    (paper: 1; 0.1 for OCR and multi-reward)"""
+    adaptive_weighting: bool = True
+    """divide each x0-space squared error by its own detached mean |error| (sec. 3.3); False: plain ||x0_hat - x0||^2"""
+    off_policy: bool = True
+    """roll out with the EMA "old" policy (paper, official code) instead of the current weights"""
+    decay_flat_steps: int = 0
+    """soft-update decay eta_i = 0 (hard copy) for the first this many optimizer steps i (paper OCR: 75)"""
+    decay_ramp: float = 0.02
+    """then eta_i = min(ramp (i - flat), max) (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
+    decay_max: float = 0.5
+    """eta_max, the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
+    kl_beta: float = 0.0
+    """KL weight to the base model, kl_beta ||v - v_ref||^2 (official code: 1e-4; Flow-Factory example: 0)"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+
+
+# ALGO LOGIC: DiffusionNFT's math as small pure functions.
+# Conventions: sigma = 1 is noise, x_t = (1 - sigma) x0 + sigma eps, the velocity target is u = eps - x0 and the
+# x0 prediction of a velocity v is x0_hat = x_t - sigma v (so x0_hat - x0 = sigma (u - v)).
+def optimality_probability(adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (Algorithm 1, line 5)."""
+    return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
+
+
+def old_decay(step: int, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Soft-update decay eta_i of the old policy: 0 for i < flat_steps, then min(ramp (i - flat_steps), max_decay).
+
+    eta = 0 is fully on-policy (fast, unstable), eta -> 1 nearly offline (stable, slow); the paper ramps from the
+    first to the second (sec. 3.3, Fig. 8; official code `return_decay`)."""
+    return 0.0 if step < flat_steps else min(ramp * (step - flat_steps), max_decay)
+
+
+def update_ema(ema, params, decay: float):
+    """theta_old <- eta theta_old + (1 - eta) theta (Algorithm 1, line 14); eta <= 0 is a hard copy."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
+def x0_regression(x0_hat, x0, adaptive: bool) -> torch.Tensor:
+    """Per-sample mean of (x0_hat - x0)^2; with `adaptive`, divided by sg(mean |x0_hat - x0|) (sec. 3.3).
+
+    The self-normalised form replaces a hand-tuned w(t): as x0_hat - x0 = sigma (u - v), it equals
+    sigma ||u - v||^2 / mean|u - v|, a velocity loss whose weight grows with the noise level (the paper finds that
+    weighting noisy timesteps more is stabler, sec. 4.4).
+    The normaliser is computed in float64 and clamped at 1e-5, as in the official code."""
+    err = x0_hat - x0
+    loss = err**2
+    if adaptive:
+        dims = tuple(range(1, err.dim()))
+        loss = loss / err.detach().double().abs().mean(dims, keepdim=True).clamp_min(1e-5).to(err.dtype)
+    return loss.flatten(1).mean(1)
+
+
+def nft_loss(v, v_old, x0, xt, sigma, r, beta: float, adaptive: bool):
+    """Eq. (5): r ||v+ - u||^2 + (1 - r) ||v- - u||^2, in x0 space, divided by beta (official code); per sample.
+
+    v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v are the implicit positive and negative policies;
+    v_old is a constant (no gradient). At v = v_old both branches have the same error, so the gradient is (2r - 1)
+    times the plain flow-matching gradient: r > 0.5 pulls v towards the sample, r < 0.5 pushes it away, and the
+    optimum is v_old + (2 / beta) Delta, the old policy moved along the reinforcement guidance Delta (Eq. 6).
+    Returns (loss [B], positive term [B], negative term [B])."""
+    v_old = v_old.detach()
+    v_pos = (1 - beta) * v_old + beta * v
+    v_neg = (1 + beta) * v_old - beta * v
+    pos = x0_regression(xt - sigma * v_pos, x0, adaptive)
+    neg = x0_regression(xt - sigma * v_neg, x0, adaptive)
+    return (r * pos + (1 - r) * neg) / beta, pos.detach(), neg.detach()
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    dist = common.setup_distributed(args.device)
+    device = dist.device
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        args.run_name = run_dir.name
+    else:
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
+    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)
+
+    # TRY NOT TO MODIFY: model, prompts, rewards
+    pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    common.check_same_on_all_ranks(params)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    encoder = common.PromptEncoder(pipe)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    if args.num_prompts % dist.world_size:
+        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
+    local_prompts = args.num_prompts // dist.world_size
+    local_samples = local_prompts * args.group_size
+    if local_samples % args.micro_batch:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
+    num_micro = local_samples // args.micro_batch
+    if num_micro % args.grad_steps_per_epoch:
+        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
+    micro_per_step = num_micro // args.grad_steps_per_epoch
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
+            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
+            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
+        )
+
+    # ALGO LOGIC: the "old" policy, an EMA of the trained weights: the reference of v+/v-, and the rollout policy if off_policy
+    if args.nft_beta <= 0:
+        raise common.UserError(f"nft_beta ({args.nft_beta}) must be > 0: the loss is divided by it")
+    if not 0 <= args.decay_max <= 1 or args.decay_ramp < 0:
+        raise common.UserError(f"decay_max ({args.decay_max}) must lie in [0, 1] and decay_ramp ({args.decay_ramp}) be >= 0")
+    ema = [p.detach().clone() for p in params]
+    snapshots = {"ema": ema}  # saved with every checkpoint
+    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if dist.is_main:
+        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")
+
+    # TRY NOT TO MODIFY: generators, resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
+    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    start_epoch, step, images_seen = 0, 0, 0
+    if ckpt is not None:
+        common.load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        common.set_rng_state(ckpt["rng"])
+        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+    def save(epoch):
+        if dist.is_main:
+            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
+                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
+                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
+                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
+                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
+            })  # fmt: skip
+
+    def evaluate(epoch):
+        if dist.is_main:
+            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
+                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+            first = next(iter(scores))
+            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            return {k: v.mean().item() for k, v in scores.items()}
+
+    timer, stop = common.Timer(), common.GracefulStop()
+    bad_steps, stopped_at = 0, None
+    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    for epoch in pbar:
+        if stop.requested:
+            save(epoch)
+            stopped_at = epoch
+            break
+        if epoch % args.eval_every == 0:
+            pbar.set_postfix(evaluate(epoch))
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            embeds, pooled = encoder(prompts)
+            neg = encoder.negative(len(prompts))
+            with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
+                rollout = common.sample(
+                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
+                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
+                )  # fmt: skip
+            x0 = rollout.latents
+            images = common.decode(pipe, x0)
+
+        # ---- reward ----
+        with timer("reward"):
+            scores = rewards(images, prompts)
+            adv = common.aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
+            )
+            r_opt = optimality_probability(adv, args.adv_clip).to(device)
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            stats = {name: [] for name in ("policy_loss", "kl_ref", "grad_norm", "positive_loss", "negative_loss", "old_deviate")}
+            per_step = micro_per_step * args.num_train_timesteps
+            k = 0
+            for mb in range(num_micro):
+                sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                for i in common.stratified_indices(eligible, args.num_train_timesteps, noise_gen):
+                    eps = torch.randn(x0[sl].shape, generator=noise_gen).to(device)
+                    s = sigmas[i]
+                    xt = (1 - s) * x0[sl] + s * eps
+                    # the old (EMA) and the base model's velocities on the same x_t, without gradient
+                    with torch.no_grad(), common.autocast(device, args.mixed_precision):
+                        with common.swapped_weights(params, ema):
+                            v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                        v_ref = None
+                        if args.kl_beta > 0:
+                            with common.reference_model(transformer):
+                                v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                    with common.autocast(device, args.mixed_precision):
+                        v = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                    loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
+                    policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
+                    kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)
+                    loss = policy_loss + args.kl_beta * kl
+                    (loss / per_step).backward()
+                    k += 1
+                    old_deviate = (v.detach() - v_old).pow(2).mean()  # how far the trained velocity is from the old one
+                    for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("positive_loss", pos.mean()),
+                                        ("negative_loss", negl.mean()), ("old_deviate", old_deviate)):  # fmt: skip
+                        stats[name].append(value.item())
+                    if k % per_step == 0:
+                        grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
+                        if grad_norm is None:  # non-finite: update skipped
+                            bad_steps += 1
+                            tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                            if bad_steps >= 5:
+                                save(epoch)
+                                raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                            continue
+                        bad_steps, step = 0, step + 1
+                        stats["grad_norm"].append(grad_norm)
+
+            # ALGO LOGIC: soft update of the old policy once per epoch, its decay indexed by the optimizer step (official code)
+            flat_groups = rewards.total(scores).view(-1, args.group_size).std(1) < 1e-8  # r = 0.5 for the whole group
+            diagnostics = {"old_decay": old_decay(step, args.decay_flat_steps, args.decay_ramp, args.decay_max),
+                           "zero_std_ratio": flat_groups.float().mean().item(),
+                           "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item()}  # fmt: skip
+            update_ema(ema, params, diagnostics["old_decay"])
+
+        # ---- logging ----
+        times = timer.pop()
+        total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }  # fmt: skip
+        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    if stopped_at is not None:
+        final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+    else:
+        final = evaluate(args.num_epochs)
+        save(args.num_epochs)
+    if dist.is_main:
+        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+    logger.close()
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))
