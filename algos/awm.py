@@ -1,0 +1,422 @@
+"""Advantage Weighted Matching (AWM), Xue et al. 2025, arXiv 2509.25050 -- docs/awm.md
+
+    python algos/awm.py                                                    # tiny-shapes on CPU, a few minutes
+    torchrun --nproc-per-node 8 algos/awm.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # benchmark/
+"""
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    device: Optional[str] = None
+    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder to continue exactly from its last checkpoint"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    eval_every: int = 10
+    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    save_every: int = 10
+    """checkpoint every this many epochs (and at the end)"""
+    mixed_precision: bool = False
+    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    resolution: Optional[int] = None
+    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    reward: str = "shapes"
+    """reward name or weighted list, e.g. "shapes:1.0,jpeg_compressibility:0.1" """
+    train_prompts: str = common.TRAIN_PROMPTS
+    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompt file for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps of the rollout (and of evaluation) (paper: 14)"""
+    guidance_scale: float = 1.0
+    """CFG scale of the rollout and of the policy's training forward (AWM trains CFG-free)"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
+    """rollout dynamics; AWM only needs clean samples, so the ODE is the default (paper: SA-Solver, not offered here)"""
+    eta: float = 0.7
+    """noise level of the SDE dynamics (unused for ODE)"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global, across ranks)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per epoch (the epoch's micro-batches are split into this many accumulation chunks; paper: 1)"""
+    num_train_timesteps: int = 4
+    """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 6 of N=14)"""
+    timestep_range: float = 0.9
+    """train on the schedule indices whose sigma >= 1 - range (paper: the first 90% of indices, i.e. 0.6 on SD3.5, N=14)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c], then rescaled to [-advantage_max, advantage_max]"""
+    advantage_std: Literal["group", "global"] = "global"
+    """std of the group z-score: per group or over all samples (paper: global)"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+
+    # Algorithm specific arguments
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
+    """pseudo log-likelihood from the FM error l: -l, -sigma l, -sigma^2 l, -sigma sqrt(l), -sigma l^p / p (paper: ghuber)"""
+    ghuber_power: float = 0.25
+    """p of the generalised-Huber weighting (paper: 0.25)"""
+    advantage_max: float = 1.0
+    """the clipped advantage is rescaled by advantage_max / adv_clip (paper: 1, i.e. A / 5)"""
+    skip_pure_noise: bool = False
+    """never train at sigma = 1 (the paper's "discrete_wo_init" on GenEval/OCR; PickScore trains it)"""
+    clip_low: float = 1.0
+    """PPO clip below: ratio >= 1 - clip_low, ratio = exp(log p_theta - log p_old) of pseudo log-likelihoods (paper: 1)"""
+    clip_high: float = 1.0
+    """PPO clip above: ratio <= 1 + clip_high (paper: 1)"""
+    kl_beta: float = 0.01
+    """KL weight to the base model, velocity MSE ||v - v_ref||^2 (paper: 1e-4 PickScore, 1e-3 GenEval; tiny: see docs)"""
+    ema_kl_beta: float = 0.0
+    """KL weight to the EMA of the policy, ||v - v_ema||^2: a trust region around the recent weights (paper: 1)"""
+    ema_decay: float = 0.3
+    """largest EMA decay d (paper: 0.3); the EMA is updated once per epoch, ema <- d ema + (1 - d) theta"""
+    ema_decay_ramp: float = 0.001
+    """d = min(ema_decay, ema_decay_ramp * optimizer steps so far) (paper: 0.001)"""
+    off_policy: bool = False
+    """sample and compute the old pseudo log-likelihoods with the EMA instead of the current weights"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+
+
+# ALGO LOGIC: AWM's math as small pure functions
+def fm_error(v, v_target) -> torch.Tensor:
+    """l = mean over latent elements of (v - u)^2, u = eps - x0 the flow-matching target; per sample, in float64
+    (the official code computes the pseudo log-likelihood in float64: ratios of exp(-l) need the precision)."""
+    return (v.double() - v_target.double()).pow(2).flatten(1).mean(1)
+
+
+def pseudo_log_prob(v, v_target, sigma, weighting: str, power: float = 0.25) -> torch.Tensor:
+    """AWM's pseudo log-likelihood log p_theta(x0 | c) ~ -w(l, sigma): the flow-matching error of the clean sample x0,
+    noised with fresh eps to x_t = (1 - sigma) x0 + sigma eps (sigma = 1 is noise), against the target u = eps - x0,
+    with one of the paper's weightings (official `compute_log_prob_awm`; Flow-Factory `compute_weighted_log_prob`).
+    Higher = x0 is more likely under v_theta.
+
+    huber and ghuber grow sub-linearly in l, so samples the model already fits badly do not dominate the gradient;
+    the 1e-10 keeps their gradient finite at l = 0 and the offsets make w(0) = 0. `sigma` is a float or a [B] tensor."""
+    lp = -fm_error(v, v_target)
+    sigma = torch.as_tensor(sigma, dtype=torch.float64, device=lp.device)
+    if weighting == "uniform":
+        return lp
+    if weighting == "t":
+        return lp * sigma
+    if weighting == "t2":
+        return lp * sigma**2
+    if weighting == "huber":
+        return -(torch.sqrt(-lp + 1e-10) - 1e-5) * sigma
+    if weighting == "ghuber":
+        return -((-lp + 1e-10) ** power - 1e-10**power) * sigma / power
+    raise common.UserError(f"unknown weighting {weighting!r}; choose uniform, t, t2, huber or ghuber")
+
+
+def scale_advantages(adv: torch.Tensor, clip: float, advantage_max: float) -> torch.Tensor:
+    """Clip to [-c, c], then rescale to [-advantage_max, advantage_max] (official code: A / adv_clip_max * advantage_max)."""
+    return adv.clamp(-clip, clip) / clip * advantage_max
+
+
+def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float):
+    """PPO's clipped surrogate on the pseudo-likelihood ratio: mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)),
+    r = exp(log p_theta - log p_old). With r = 1 its gradient is -A grad log p_theta: an advantage-weighted
+    flow-matching loss (A > 0 lowers the sample's FM error, A < 0 raises it).
+
+    Returns (loss, ratio, approx_kl, clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped).mean()
+    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
+    clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
+    return loss, ratio.detach(), approx_kl, clipfrac
+
+
+def velocity_kl(v, v_other) -> torch.Tensor:
+    """E ||v - v_other||^2 (per-element mean, then batch mean): the velocity-space KL surrogate used for both the base
+    model and the EMA (the official code's "Uniform" KL weighting)."""
+    return (v - v_other).pow(2).flatten(1).mean(1).mean()
+
+
+def ema_decay(step: int, max_decay: float, ramp: float) -> float:
+    """d = min(max_decay, ramp * step), step = optimizer steps so far (official "linear" kl_ema_decay_type): the EMA
+    starts as a copy of the latest weights and slowly gains memory."""
+    return min(max_decay, ramp * step)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta; d <= 0 is a hard copy."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    dist = common.setup_distributed(args.device)
+    device = dist.device
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        args.run_name = run_dir.name
+    else:
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
+    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)
+
+    # TRY NOT TO MODIFY: model, prompts, rewards
+    pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    common.check_same_on_all_ranks(params)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    encoder = common.PromptEncoder(pipe)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    if args.num_prompts % dist.world_size:
+        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
+    local_prompts = args.num_prompts // dist.world_size
+    local_samples = local_prompts * args.group_size
+    if local_samples % args.micro_batch:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
+    num_micro = local_samples // args.micro_batch
+    if num_micro % args.grad_steps_per_epoch:
+        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
+    micro_per_step = num_micro // args.grad_steps_per_epoch
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
+            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
+            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
+        )
+
+    # ALGO LOGIC: the EMA (KL trust region, optional off-policy sampler) and the trainable timestep indices
+    ema = [p.detach().clone() for p in params]
+    snapshots = {"ema": ema}  # saved with every checkpoint
+    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    min_index = 1 if args.skip_pure_noise else 0
+    if eligible - min_index < 1:
+        raise common.UserError(f"timestep_range ({args.timestep_range}) leaves no schedule index to train on")
+    if dist.is_main:
+        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from steps {min_index}..{eligible - 1} "
+              f"of {args.num_steps} (sigma {sigmas[eligible - 1]:.3f}..{sigmas[min_index]:.3f})")  # fmt: skip
+
+    # TRY NOT TO MODIFY: generators, resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
+    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    start_epoch, step, images_seen = 0, 0, 0
+    if ckpt is not None:
+        common.load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        common.set_rng_state(ckpt["rng"])
+        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+    def save(epoch):
+        if dist.is_main:
+            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
+                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
+                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
+                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
+                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
+            })  # fmt: skip
+
+    def evaluate(epoch):
+        if dist.is_main:
+            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
+                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+            first = next(iter(scores))
+            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            return {k: v.mean().item() for k, v in scores.items()}
+
+    timer, stop = common.Timer(), common.GracefulStop()
+    bad_steps, stopped_at = 0, None
+    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    for epoch in pbar:
+        if stop.requested:
+            save(epoch)
+            stopped_at = epoch
+            break
+        if epoch % args.eval_every == 0:
+            pbar.set_postfix(evaluate(epoch))
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            embeds, pooled = encoder(prompts)
+            neg = encoder.negative(len(prompts))
+            with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
+                rollout = common.sample(
+                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
+                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
+                )  # fmt: skip
+            x0 = rollout.latents  # only the clean samples are kept: training re-noises them
+            images = common.decode(pipe, x0)
+
+        # ---- reward ----
+        with timer("reward"):
+            scores = rewards(images, prompts)
+            adv = common.aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
+            )
+            adv = scale_advantages(adv, args.adv_clip, args.advantage_max).to(device)
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            # pass 1 (no grad): shuffled micro-batches, timesteps, fresh noise, and the old pseudo log-likelihoods under
+            # the sampling policy (plus the base / EMA velocities of the KL terms), for every micro-batch before any
+            # update: from the second optimizer step of the epoch on, the ratio compares the moved policy with the sampler
+            order = torch.randperm(local_samples, generator=noise_gen).to(device)
+            batches = []
+            for mb in range(num_micro):
+                idx = order[mb * args.micro_batch : (mb + 1) * args.micro_batch]
+                cond = (embeds[idx], pooled[idx], (neg[0][idx], neg[1][idx]))
+                for i in common.stratified_indices(eligible - min_index, args.num_train_timesteps, noise_gen):
+                    s = sigmas[min_index + i]
+                    eps = torch.randn(x0[idx].shape, generator=noise_gen).to(device)
+                    xt = (1 - s) * x0[idx] + s * eps
+                    v_target = eps - x0[idx]
+                    v_ref = v_ema = None
+                    with torch.no_grad(), common.autocast(device, args.mixed_precision):
+                        if args.kl_beta > 0:
+                            with common.reference_model(transformer):
+                                v_ref = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                        if args.ema_kl_beta > 0 or args.off_policy:
+                            with common.swapped_weights(params, ema):
+                                v_ema = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                        v_old = v_ema if args.off_policy else common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                    old_lp = pseudo_log_prob(v_old, v_target, s, args.weighting, args.ghuber_power)
+                    batches.append((cond, idx, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
+
+            # pass 2: the clipped advantage-weighted matching loss, grad_steps_per_epoch optimizer steps
+            stats = {name: [] for name in ("policy_loss", "kl_ref", "kl_ema", "fm_loss", "grad_norm", "approx_kl", "clipfrac",
+                                           "ratio_mean")}  # fmt: skip
+            per_step = micro_per_step * args.num_train_timesteps
+            for k, (cond, idx, s, xt, v_target, old_lp, v_ref, v_ema) in enumerate(batches):
+                with common.autocast(device, args.mixed_precision):
+                    v = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                log_prob = pseudo_log_prob(v, v_target, s, args.weighting, args.ghuber_power)
+                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[idx], args.clip_low, args.clip_high)
+                kl = velocity_kl(v, v_ref) if v_ref is not None else torch.zeros((), device=device)
+                kl_ema = velocity_kl(v, v_ema) if v_ema is not None else torch.zeros((), device=device)
+                loss = policy_loss + args.kl_beta * kl + args.ema_kl_beta * kl_ema
+                (loss / per_step).backward()
+                fm_loss = fm_error(v.detach(), v_target).mean()  # unweighted, a drift diagnostic
+                for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("kl_ema", kl_ema), ("fm_loss", fm_loss),
+                                    ("approx_kl", approx_kl), ("clipfrac", clipfrac), ("ratio_mean", ratio.mean())):  # fmt: skip
+                    stats[name].append(value.item())
+                if (k + 1) % per_step == 0:
+                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
+                    if grad_norm is None:  # non-finite: update skipped
+                        bad_steps += 1
+                        tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                        if bad_steps >= 5:
+                            save(epoch)
+                            raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                        continue
+                    bad_steps, step = 0, step + 1
+                    stats["grad_norm"].append(grad_norm)
+
+            # ALGO LOGIC: the EMA update, once per epoch, its decay indexed by the optimizer step (as in the official code)
+            diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))),
+                           "ema_decay": ema_decay(step, args.ema_decay, args.ema_decay_ramp)}  # fmt: skip
+            update_ema(ema, params, diagnostics["ema_decay"])
+
+        # ---- logging ----
+        times = timer.pop()
+        total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }  # fmt: skip
+        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    if stopped_at is not None:
+        final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+    else:
+        final = evaluate(args.num_epochs)
+        save(args.num_epochs)
+    if dist.is_main:
+        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+    logger.close()
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# AWM on SD3.5-Medium with the official code's PickScore recipe (scxue/advantage_weighted_matching @ be51372,
+# config/dgx_awm.py::pickscore_sd3_no_cfg_1node), 8 GPUs. GenEval/OCR configs differ in: 72 prompts/epoch,
+# --skip-pure-noise ("discrete_wo_init"), --kl-beta 1e-3 (GenEval) / 3e-3 (OCR), SA-Solver noise 0.4.
+# Paper: "up to 24x faster than Flow-GRPO" on GenEval/OCR/PickScore; no table number could be verified (docs/awm.md).
+# DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/pickscore).
+# Not reproduced: the SA-Solver rollout (ODE here; the PickScore config uses noise 0, i.e. deterministic) and the
+# 40-step evaluation (eval here uses --num-steps).
+set -euo pipefail
+DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
+REWARD=${REWARD:-pickscore}
+# geometry: M=24 prompts x K=24 images = 576 per epoch = 72 per GPU; 1 optimizer step per epoch (so the ratio is 1)
+# timestep window: the official "first 90% of the 14 step indices" (indices 0..11, sigma >= 0.45) is --timestep-range 0.6
+torchrun --nproc-per-node 8 algos/awm.py \
+  --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
+  --reward "$REWARD" --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
+  --num-steps 14 --guidance-scale 1.0 --dynamics ODE \
+  --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
+  --num-prompts 24 --group-size 24 --micro-batch 6 --grad-steps-per-epoch 1 \
+  --num-train-timesteps 6 --timestep-range 0.6 --adv-clip 5 --advantage-max 1 --advantage-std global \
+  --weighting ghuber --ghuber-power 0.25 --clip-low 1 --clip-high 1 \
+  --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay 0.3 --ema-decay-ramp 0.001 \
+  --num-epochs 1000 --eval-every 50 --save-every 50
