@@ -1,0 +1,408 @@
+"""Direct Group Preference Optimization (DGPO), Luo, Hu & Tang 2025, arXiv 2510.08425 -- docs/dgpo.md
+
+    python algos/dgpo.py                                                   # tiny-shapes on CPU, a few minutes
+    torchrun --nproc-per-node 8 algos/dgpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
+"""
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    device: Optional[str] = None
+    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder to continue exactly from its last checkpoint"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    eval_every: int = 10
+    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    save_every: int = 10
+    """checkpoint every this many epochs (and at the end)"""
+    mixed_precision: bool = False
+    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    resolution: Optional[int] = None
+    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    reward: str = "shapes"
+    """reward name or weighted list, e.g. "shapes:1.0,jpeg_compressibility:0.1" """
+    train_prompts: str = common.TRAIN_PROMPTS
+    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompt file for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps of the rollout (and of evaluation)"""
+    guidance_scale: float = 4.5
+    """CFG scale of the rollout and of evaluation; DGPO's training forwards use no CFG (paper: 4.5)"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
+    """rollout dynamics; DGPO only needs clean samples, so the ODE is the default (the paper's ODE-vs-SDE ablation, Fig. 5)"""
+    eta: float = 0.7
+    """noise level of the SDE dynamics (unused for ODE)"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global, across ranks)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch; holds whole groups so that each group's preference weight sees all K images"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per inner epoch (the epoch's micro-batches are split into this many accumulation chunks)"""
+    num_train_timesteps: int = 4
+    """T, training timesteps per inner epoch, stratified over the window and shared by every micro-batch (paper: 4)"""
+    timestep_range: float = 0.6
+    """timestep clip: train only on schedule indices whose sigma >= 1 - range (Flow-Factory: 0.6)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c] (this slightly breaks sum_i A_i = 0; rare in practice)"""
+    advantage_std: Literal["group", "global"] = "group"
+    """std of the group z-score: per group (the paper's Eq. 12) or over all samples (Flow-Factory's configs)"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+
+    # Algorithm specific arguments
+    num_inner_epochs: int = 1
+    """passes over each rollout buffer, each with fresh shared timesteps and group noise"""
+    dpo_beta: float = 100.0
+    """beta of the group preference sigmoid(beta / K sum_i A_i (dsm_i - dsm_ref_i)) (paper: 100; 10 for PickScore)"""
+    clip_dsm: bool = True
+    """PPO-style clip on the DSM ratio exp(dsm_old - dsm) against the fast EMA "old" model (official code, not the paper)"""
+    clip_range: float = 1e-2
+    """eps of the DSM ratio clip: no gradient once the ratio is past 1 + eps (A > 0) or 1 - eps (A < 0) (paper code: 1e-2)"""
+    use_ema_ref: bool = False
+    """implicit reward relative to the fast EMA ema_ref instead of the frozen base model (the TDM-R1 variant, beta 2000-5000)"""
+    ema_ref_max_decay: float = 0.3
+    """ema_ref decay d = min(max_decay, ramp_rate * step), updated after every optimizer step (paper: 0.3)"""
+    ema_ref_ramp_rate: float = 1e-3
+    """ema_ref decay ramp per optimizer step (paper code: 1e-3, i.e. d reaches 0.3 after 300 steps)"""
+    switch_ema_ref: int = 200
+    """roll out with ema_ref instead of the current weights after this many optimizer steps (paper: 200)"""
+    kl_beta: float = 0.02
+    """KL weight to the base model, kl_beta E ||v - v_ref||^2 (paper code: 0.02 GenEval/OCR, 1e-3 PickScore)"""
+    kl_cfg: float = 1.0
+    """CFG scale of the base model in the KL and in the reference DSM error (paper: 1 with CFG rollouts; 4.5 CFG-free)"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+
+
+# ALGO LOGIC: DGPO's math as small pure functions
+# Conventions: sigma = 1 is noise, x_t = (1 - sigma) x0 + sigma eps, velocity target u = eps - x0. The paper writes the
+# denoising error on x0; in velocity form ||v - u||^2 = ||x0_hat - x0||^2 / sigma^2, a per-timestep factor that the
+# paper's lambda_t absorbs (Eq. 17); like the official code we use the plain velocity error, lambda_t = 1.
+def dsm_error(v, v_target) -> torch.Tensor:
+    """L_dsm per sample: mean over latent elements of (v - u)^2; -L_dsm plays log p in the implicit reward."""
+    return (v - v_target).pow(2).flatten(1).mean(1)
+
+
+def clip_dsm_ratio(dsm, dsm_old, adv, clip_range: float):
+    """PPO-style trust region on the denoising "likelihood" (official code; not in the paper's equations).
+
+    With log p := -L_dsm, ratio = p_theta / p_old = exp(dsm_old - dsm). A sample whose ratio has already moved past
+    1 + eps in the direction its advantage pushes (A > 0 lowers dsm, raising the ratio; A <= 0 the reverse) keeps its
+    value but loses its gradient. Returns (dsm with clipped entries detached, ratio, clipped mask)."""
+    ratio = torch.exp(dsm_old - dsm.detach())
+    clipped = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+    return torch.where(clipped, dsm.detach(), dsm), ratio, clipped
+
+
+def group_logits(dsm, dsm_ref, adv, group_size: int, beta: float) -> torch.Tensor:
+    """z_g = beta / K sum_{i in g} A_i (dsm_i - dsm_ref_i), one per group of K contiguous samples (detached).
+
+    Eq. (17) with the weights w = |A| of Eq. (14): the positive group (A > 0) enters with +|A|, the negative group with
+    -|A|, so the sum over both is sum_i A_i (...). Since sum_i A_i = 0 within a group, log Z(c) cancels. z < 0 once the
+    model already prefers the group's good images over its bad ones more than the reference does."""
+    return (adv * beta * (dsm.detach() - dsm_ref) / group_size).view(-1, group_size).sum(1).detach()
+
+
+def dgpo_loss(dsm, dsm_ref, adv, group_size: int, beta: float):
+    """The gradient-equivalent form of L = -log sigmoid(-z_g) (Eq. 17), as in the official code and Flow-Factory.
+
+    dL/d dsm_i = sigmoid(z_g) beta / K A_i, so mean_i sigmoid(z_g) A_i dsm_i (weight detached) has the gradient of
+    mean_g L_g / beta: lower the error of good images and raise that of bad ones, each group weighted by how far it is
+    from already satisfying its preference. Returns (loss, z [groups])."""
+    z = group_logits(dsm, dsm_ref, adv, group_size, beta)
+    weight = torch.sigmoid(z).repeat_interleave(group_size)
+    return (weight * adv * dsm).mean(), z
+
+
+def group_noise(num_groups: int, group_size: int, shape, generator: torch.Generator) -> torch.Tensor:
+    """One eps per group, repeated for its K contiguous samples: the K images of a prompt are noised identically, so
+    their denoising errors differ only through x0 (variance reduction, paper §3.1 after Eq. 16)."""
+    return torch.randn((num_groups, *shape), generator=generator).repeat_interleave(group_size, 0)
+
+
+def ema_ref_decay(step: int, max_decay: float, ramp_rate: float) -> float:
+    """d = min(max_decay, ramp_rate * step): a hard copy of theta at first, then a fast EMA (paper App. E)."""
+    return min(max_decay, ramp_rate * step)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - decay)
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    dist = common.setup_distributed(args.device)
+    device = dist.device
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        args.run_name = run_dir.name
+    else:
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
+    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)
+
+    # TRY NOT TO MODIFY: model, prompts, rewards
+    pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    common.check_same_on_all_ranks(params)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    encoder = common.PromptEncoder(pipe)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    if args.num_prompts % dist.world_size:
+        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
+    local_prompts = args.num_prompts // dist.world_size
+    local_samples = local_prompts * args.group_size
+    if local_samples % args.micro_batch:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
+    num_micro = local_samples // args.micro_batch
+    if num_micro % args.grad_steps_per_epoch:
+        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
+    micro_per_step = num_micro // args.grad_steps_per_epoch
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
+            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
+            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
+        )
+
+    # ALGO LOGIC: whole groups per micro-batch, the fast "old" EMA (ema_ref), the timestep-clip window
+    if args.micro_batch % args.group_size:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}): the preference weight sums over a whole group")
+    ema_ref = [p.detach().clone() for p in params]
+    snapshots = {"ema_ref": ema_ref}  # saved with every checkpoint
+    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if dist.is_main:
+        print(f"training timesteps per epoch T={args.num_train_timesteps} (shared by all groups), from the {eligible} noisiest of {args.num_steps} steps")
+
+    # TRY NOT TO MODIFY: generators, resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
+    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    start_epoch, step, images_seen = 0, 0, 0
+    if ckpt is not None:
+        common.load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        common.set_rng_state(ckpt["rng"])
+        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+    def save(epoch):
+        if dist.is_main:
+            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
+                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
+                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
+                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
+                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
+            })  # fmt: skip
+
+    def evaluate(epoch):
+        if dist.is_main:
+            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
+                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+            first = next(iter(scores))
+            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            return {k: v.mean().item() for k, v in scores.items()}
+
+    timer, stop = common.Timer(), common.GracefulStop()
+    bad_steps, stopped_at = 0, None
+    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    for epoch in pbar:
+        if stop.requested:
+            save(epoch)
+            stopped_at = epoch
+            break
+        if epoch % args.eval_every == 0:
+            pbar.set_postfix(evaluate(epoch))
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            embeds, pooled = encoder(prompts)
+            neg = encoder.negative(len(prompts))
+            # the rollout policy theta^-: the current weights, then ema_ref after switch_ema_ref steps (paper App. E)
+            with common.swapped_weights(params, ema_ref) if step > args.switch_ema_ref else contextlib.nullcontext():
+                rollout = common.sample(
+                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
+                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
+                )  # fmt: skip
+            x0 = rollout.latents
+            images = common.decode(pipe, x0)
+
+        # ---- reward ----
+        with timer("reward"):
+            scores = rewards(images, prompts)
+            adv = common.aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
+            ).to(device)  # fmt: skip
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "approx_kl": [], "clipfrac": [], "ratio_mean": [],
+                     "group_weight": [], "group_nll": [], "dsm": []}  # fmt: skip
+            per_step = micro_per_step * args.num_train_timesteps
+            k = 0
+            for inner in range(args.num_inner_epochs):
+                # one set of T timesteps for every micro-batch (and rank: prompt_gen is shared), and one noise per group
+                # reused at every timestep (drawn from noise_gen, which the checkpoint carries, so resume stays exact)
+                timesteps = common.stratified_indices(eligible, args.num_train_timesteps, prompt_gen)
+                eps = group_noise(local_prompts, args.group_size, x0.shape[1:], noise_gen).to(device)
+                for mb in range(num_micro):
+                    sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    v_target = eps[sl] - x0[sl]
+                    for i in timesteps:
+                        s = sigmas[i]
+                        xt = (1 - s) * x0[sl] + s * eps[sl]
+                        v_ref = v_old = None
+                        with torch.no_grad(), common.autocast(device, args.mixed_precision):
+                            if args.kl_beta > 0 or not args.use_ema_ref:  # the frozen base, CFG kl_cfg
+                                with common.reference_model(transformer):
+                                    v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg)
+                            if args.clip_dsm or args.use_ema_ref:  # the fast EMA, as of the last optimizer step
+                                with common.swapped_weights(params, ema_ref):
+                                    v_old = common.velocity(transformer, xt, s, *cond)
+                        with common.autocast(device, args.mixed_precision):
+                            v = common.velocity(transformer, xt, s, *cond)  # training forwards: no CFG
+                        dsm = dsm_error(v, v_target)
+                        if v_old is not None:
+                            clipped_dsm, ratio, clipped = clip_dsm_ratio(dsm, dsm_error(v_old, v_target), adv[sl], args.clip_range)
+                            dsm = clipped_dsm if args.clip_dsm else dsm
+                            stats["clipfrac"].append(clipped.float().mean().item() if args.clip_dsm else 0.0)
+                            stats["ratio_mean"].append(ratio.mean().item())
+                            stats["approx_kl"].append(0.5 * ratio.log().pow(2).mean().item())
+                        dsm_ref = dsm_error(v_old if args.use_ema_ref else v_ref, v_target)
+                        policy_loss, z = dgpo_loss(dsm, dsm_ref, adv[sl], args.group_size, args.dpo_beta)
+                        kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if args.kl_beta > 0 else torch.zeros((), device=device)
+                        loss = policy_loss + args.kl_beta * kl
+                        (loss / per_step).backward()
+                        k += 1
+                        for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("group_weight", torch.sigmoid(z).mean()),
+                                            ("group_nll", -F.logsigmoid(-z).mean()), ("dsm", dsm.mean())):  # fmt: skip
+                            stats[name].append(value.item())
+                        if k % per_step == 0:
+                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
+                            if grad_norm is None:  # non-finite: update skipped
+                                bad_steps += 1
+                                tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                                if bad_steps >= 5:
+                                    save(epoch)
+                                    raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                                continue
+                            # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
+                            update_ema(ema_ref, params, ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate))
+                            bad_steps, step = 0, step + 1
+                            stats["grad_norm"].append(grad_norm)
+            ratios = stats.pop("ratio_mean")
+            diagnostics = {"ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
+                           "ema_ref_decay": ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate),
+                           "reward_std_group": rewards.total(scores).view(-1, args.group_size).std(1, unbiased=False).mean().item()}  # fmt: skip
+
+        # ---- logging ----
+        times = timer.pop()
+        total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }  # fmt: skip
+        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    if stopped_at is not None:
+        final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+    else:
+        final = evaluate(args.num_epochs)
+        save(args.num_epochs)
+    if dist.is_main:
+        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+    logger.close()
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))
