@@ -5,6 +5,7 @@
     python benchmark/run_table.py --quick                           # 1 seed, 1/3 of the epochs: ~10 min
     python benchmark/run_table.py --table-only                      # re-read finished runs, rewrite table + plots
 
+Needs `pip install -r benchmark/requirements.txt` (matplotlib, for the plots).
 Runs go to benchmark/results/<reward>/runs/ (not in git); the table (results.md) and the plots
 (score_vs_images.png, score_vs_time.png) go to benchmark/results/<reward>/. Every run's args.json records the git
 commit it ran at, and the table lists the commits it was built from.
