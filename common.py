@@ -13,10 +13,12 @@ Conventions, used everywhere in cleanflow:
 """
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, is_dataclass
@@ -121,6 +123,74 @@ class GracefulStop:
         print("\nstop requested: finishing this epoch, then saving a checkpoint (Ctrl-C again to abort)", file=sys.stderr)
 
 
+def batch_layout(total: int, grad_steps: int, world_size: int, micro_batch: int) -> int:
+    """Checks the epoch's batch geometry; returns the per-rank samples per optimizer step.
+
+    The epoch's `total` samples are cut into `grad_steps` contiguous chunks (one optimizer step each) and every
+    chunk into `world_size` contiguous slices (one per rank), each a whole number of micro-batches."""
+    if total % (grad_steps * world_size):
+        raise UserError(f"grad_steps_per_epoch x world size ({grad_steps} x {world_size}) must divide the images per epoch ({total})")
+    per_rank_step = total // (grad_steps * world_size)
+    if per_rank_step % micro_batch:
+        raise UserError(f"micro_batch ({micro_batch}) must divide the per-rank images per optimizer step ({per_rank_step})")
+    return per_rank_step
+
+
+def rank_indices(total: int, grad_steps: int, world_size: int, rank: int) -> torch.Tensor:
+    """The global sample indices a rank works on, in its processing order (see `batch_layout`).
+
+    With this layout optimizer step s averages the same samples on any number of ranks, and a rank's micro-batch
+    is always one of the single-process micro-batches, so N ranks compute what one process computes."""
+    step = total // grad_steps
+    per = step // world_size
+    return torch.cat([torch.arange(s * step + rank * per, s * step + (rank + 1) * per) for s in range(grad_steps)])
+
+
+def gather_samples(x: torch.Tensor, total: int, grad_steps: int) -> torch.Tensor:
+    """All ranks' per-sample values (laid out by `rank_indices`) -> the epoch's [total] tensor in global order."""
+    if not dist.is_initialized():
+        return x
+    world = dist.get_world_size()
+    gathered = all_gather_cat(x)
+    order = torch.cat([rank_indices(total, grad_steps, world, r) for r in range(world)]).to(gathered.device)
+    out = torch.empty_like(gathered)
+    out[order] = gathered
+    return out
+
+
+def gather_scores(scores: dict, total: int, grad_steps: int) -> dict:
+    """`gather_samples` for every reward of a {name: [local B]} dict (on the CPU, where the rewards' statistics run)."""
+    out = {}
+    for name, value in scores.items():
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            value = value.cuda()
+        out[name] = gather_samples(value.float(), total, grad_steps).cpu()
+    return out
+
+
+def keyed_generator(*key) -> torch.Generator:
+    """A CPU generator seeded by what its draws are for, e.g. (seed, epoch, "rollout", global sample index).
+
+    Every random draw of a training epoch comes from such a keyed stream rather than from one stream that each rank
+    consumes in its own order, so a run draws the same numbers on 1 or N ranks, and after a resume."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def keyed_generators(*key, indices: Sequence[int]) -> list:
+    """One keyed generator per index: `keyed_generators(seed, epoch, "rollout", indices=idx)`."""
+    return [keyed_generator(*key, int(i)) for i in indices]
+
+
+def randn(shape: Sequence[int], generator) -> torch.Tensor:
+    """Standard normal [B, *shape[1:]] on the CPU from one generator, or one row per generator from a list of them."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+        return torch.stack([torch.randn(tuple(shape[1:]), generator=g) for g in generator])
+    return torch.randn(tuple(shape), generator=generator)
+
+
 def cleanup_distributed():
     if dist.is_initialized():
         dist.barrier()  # without it a rank can abort at exit while another is still tearing down
@@ -139,7 +209,14 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
     T5 (text_encoder_3) is optional: when the folder has none, the pipeline pads the text sequence with zeros.
     `resolution` (pixels, default the model's native size) sets `pipe.latent_shape`, what the sampler draws.
     """
-    from diffusers import StableDiffusion3Pipeline
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # importing the pipelines warns about torchvision for SD3's unused image encoder
+    try:
+        from diffusers import StableDiffusion3Pipeline
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
     local = Path(model).expanduser()
     looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
@@ -342,14 +419,15 @@ def sample(
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
     `sde_steps`: the step indices that get noise (the SDE window); None = every step but the last for SDE dynamics.
-    Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device.
+    Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device; a list of generators
+    (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
     device, batch = embeds.device, embeds.shape[0]
     if noise is None:
         shape = latent_shape or (transformer.config.in_channels, transformer.config.sample_size, transformer.config.sample_size)
-        noise = torch.randn((batch, *shape), generator=generator)
+        noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
     sigmas = sigma_schedule(scheduler, num_steps, device)
     if dynamics == "ODE":
@@ -362,7 +440,7 @@ def sample(
     for i in range(num_steps):
         with autocast(device, use_autocast):
             v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
-        step_noise = torch.randn(x.shape, generator=generator).to(device) if sde_mask[i] else None
+        step_noise = randn(x.shape, generator).to(device) if sde_mask[i] else None
         x, log_probs[:, i], _, _ = sde_step(
             x, v, sigmas[i], sigmas[i + 1], dynamics if sde_mask[i] else "ODE", eta, step_noise, sigma_cap=float(sigmas[1])
         )
@@ -569,13 +647,26 @@ class Logger:
             self.writer.close()
 
 
-def save_checkpoint(path: Path, state: dict):
-    """Atomic: write to a temp file in the same folder, then rename, so a kill never leaves a half-written file."""
+def save_checkpoint(path: Path, state: dict, keep: int = 0):
+    """Atomic: write to a temp file in the same folder, then rename, so a kill never leaves a half-written file.
+
+    With `keep` > 0 the save is also kept as epoch_<state["epoch"]>.pt next to `path` (a hard link: no second write)
+    and only the newest `keep` of those stay."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(state, tmp)
     os.replace(tmp, path)
+    if keep > 0:
+        kept = path.with_name(f"epoch_{state['epoch']:06d}.pt")
+        tmp = kept.with_name(kept.name + f".tmp{os.getpid()}")
+        try:
+            os.link(path, tmp)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, kept)
+        for old in sorted(path.parent.glob("epoch_*.pt"))[:-keep]:
+            old.unlink()
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -34,13 +34,15 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its last checkpoint"""
+    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/*.pt files"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
     """evaluate on the held-out prompts every this many epochs (and at the end)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
+    keep_checkpoints: int = 3
+    """besides checkpoints/last.pt, keep the last N saves as checkpoints/epoch_<E>.pt (0: only last.pt)"""
     mixed_precision: bool = False
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -234,17 +236,35 @@ def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     dist = common.setup_distributed(args.device)
     device = dist.device
-    if args.resume:
-        run_dir = Path(args.resume)
-        ckpt = common.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    if args.resume:  # a run folder (its newest checkpoint) or one checkpoint file of it
+        ckpt_path = Path(args.resume) if args.resume.endswith(".pt") else Path(args.resume) / "checkpoints" / "last.pt"
+        run_dir, ckpt = ckpt_path.parent.parent, common.load_checkpoint(ckpt_path)
         args.run_name = run_dir.name
     else:
         args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir, ckpt = Path(args.output_dir) / args.run_name, None
     common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
-    logger = common.Logger(run_dir, args, enabled=dist.is_main)
 
-    # TRY NOT TO MODIFY: model, prompts, rewards
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    per_rank_step = common.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
+    local_samples = per_rank_step * args.grad_steps_per_epoch
+    num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
+    # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
+    local_idx = common.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
+            f"images/epoch={total} ({local_samples}/rank), micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
+            f"world size={dist.world_size}"
+        )
+
+    # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device)
     pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
@@ -253,29 +273,8 @@ def main(args: Args):
     common.check_same_on_all_ranks(params)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     encoder = common.PromptEncoder(pipe)
-    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
-    rewards = load_rewards(args.reward, device)
-
-    # TRY NOT TO MODIFY: batch geometry
-    if args.group_size < 2:
-        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    if args.num_prompts % dist.world_size:
-        raise common.UserError(f"num_prompts ({args.num_prompts}) must be divisible by the world size ({dist.world_size})")
-    local_prompts = args.num_prompts // dist.world_size
-    local_samples = local_prompts * args.group_size
-    if local_samples % args.micro_batch:
-        raise common.UserError(f"micro_batch ({args.micro_batch}) must divide the per-rank samples per epoch ({local_samples})")
-    num_micro = local_samples // args.micro_batch
-    if num_micro % args.grad_steps_per_epoch:
-        raise common.UserError(f"grad_steps_per_epoch ({args.grad_steps_per_epoch}) must divide the micro-batches per epoch ({num_micro})")
-    micro_per_step = num_micro // args.grad_steps_per_epoch
     if dist.is_main:
-        print(
-            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts} ({local_prompts}/rank), "
-            f"images/epoch={args.num_prompts * args.group_size}, micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
-            f"world size={dist.world_size}, trainable params={sum(p.numel() for p in params):,}"
-        )
+        print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the "old" snapshot (implicit-reward reference) and the "sampling" snapshot (rollout policy)
     if args.centering == "group" and args.micro_batch % args.group_size:
@@ -289,8 +288,10 @@ def main(args: Args):
         print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")
 
     # TRY NOT TO MODIFY: generators, resume
-    prompt_gen = torch.Generator().manual_seed(args.seed)  # same on all ranks: every rank sees the same prompt order
-    noise_gen = torch.Generator().manual_seed(args.seed + dist.rank * 7919)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
+    # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
+    # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)
     start_epoch, step, images_seen = 0, 0, 0
     if ckpt is not None:
         common.load_trainable_state(named, ckpt["params"])
@@ -299,7 +300,6 @@ def main(args: Args):
             for t, saved in zip(tensors, ckpt["snapshots"][key]):
                 t.copy_(saved)
         prompt_gen.set_state(ckpt["prompt_gen"])
-        noise_gen.set_state(ckpt["noise_gen"])
         common.set_rng_state(ckpt["rng"])
         start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
 
@@ -308,11 +308,11 @@ def main(args: Args):
             common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
                 "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
                 "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "prompt_gen": prompt_gen.get_state(), "noise_gen": noise_gen.get_state(), "rng": common.rng_state(),
+                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
                 "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
                 "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
                             "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            })  # fmt: skip
+            }, keep=args.keep_checkpoints)  # fmt: skip
 
     def evaluate(epoch):
         if dist.is_main:
@@ -339,13 +339,14 @@ def main(args: Args):
         # ---- sampling ----
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
-            prompts = prompts[dist.rank * local_samples : (dist.rank + 1) * local_samples]
+            prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
             with common.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(
                     transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
-                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, generator=noise_gen,
+                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta,
+                    generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
                 )  # fmt: skip
             x0 = rollout.latents
@@ -353,10 +354,11 @@ def main(args: Args):
 
         # ---- reward ----
         with timer("reward"):
-            scores = rewards(images, prompts)
+            # each rank scores its own images; advantages are computed over the whole epoch's batch
+            scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
-            )
+            )[local_idx]
             a = advantage_to_unit(adv, args.adv_clip).to(device)
             images_seen += args.num_prompts * args.group_size
 
@@ -365,10 +367,12 @@ def main(args: Args):
             # pass 1 (no grad): timesteps, noise, and the velocities of the old snapshot and the CFG-guided base,
             # all computed before any update so every micro-batch of the epoch sees the same old model
             batches = []
+            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                for i in common.stratified_indices(eligible, args.num_train_timesteps, noise_gen):
-                    eps = torch.randn(x0[sl].shape, generator=noise_gen).to(device)
+                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
+                for i in common.stratified_indices(eligible, args.num_train_timesteps, t_gen):
+                    eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
                     s = sigmas[i]
                     xt = (1 - s) * x0[sl] + s * eps
                     cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
@@ -418,9 +422,9 @@ def main(args: Args):
 
         # ---- logging ----
         times = timer.pop()
-        total = rewards.total(scores)
+        reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": total.mean(), "charts/reward_std": total.std(),
+            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
@@ -431,7 +435,7 @@ def main(args: Args):
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], total[:16])], images_seen)
+            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

@@ -1,6 +1,6 @@
 """The CPU results table: every algorithm on tiny-shapes, several seeds, each with its default hyperparameters.
 
-    python benchmark/run_table.py                                   # shapes reward, 3 seeds, ~1 h on 2 cores
+    python benchmark/run_table.py --jobs 2                          # shapes reward, 3 seeds, ~1 h on 2 cores
     python benchmark/run_table.py --reward jpeg_compressibility --threshold -0.8
     python benchmark/run_table.py --quick                           # 1 seed, 1/3 of the epochs: ~10 min
     python benchmark/run_table.py --table-only                      # re-read finished runs, rewrite table + plots
@@ -13,6 +13,7 @@ commit it ran at, and the table lists the commits it was built from.
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,8 +40,11 @@ def run(algo, seed, args, out):
     cmd = [sys.executable, str(REPO / "algos" / f"{algo}.py"), "--reward", args.reward, "--seed", str(seed),
            "--num-epochs", str(epochs), "--output-dir", str(out / "runs"), "--exp-name", algo, *args.extra]  # fmt: skip
     print(" ".join(cmd[1:]), flush=True)
+    # parallel runs share the cores: one OpenMP pool each, sized so they do not oversubscribe (spin-waiting threads
+    # of two oversubscribed pools slow both runs down several times)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
     with open(log, "w") as f:
-        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, cwd=REPO)
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, cwd=REPO, env=env)
 
 
 def read_run(run_dir: Path, reward: str):
@@ -133,6 +137,7 @@ def main():
     ap.add_argument("--threshold", type=float, default=0.6)
     ap.add_argument("--quick", action="store_true", help="one seed, a third of the epochs")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each gets cores / jobs threads)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = ap.parse_args()
     if args.quick:
@@ -140,9 +145,11 @@ def main():
     out = REPO / "benchmark" / "results" / args.reward.replace(":", "_").replace(",", "+")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     if not args.table_only:
-        for algo in args.algos:
-            for seed in args.seeds:
-                run(algo, seed, args, out)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on the subprocesses
+            for job in [pool.submit(run, algo, seed, args, out) for algo in args.algos for seed in args.seeds]:
+                job.result()
     results = {}
     for algo in args.algos:
         dirs = sorted((out / "runs").glob(f"*__{algo}__*"))

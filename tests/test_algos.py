@@ -110,3 +110,89 @@ def test_killed_or_interrupted_runs_resume_exactly(prompts):
         assert b["epoch"] == 4 and b["step"] == a["step"]
         for key, value in a["params"].items():
             assert torch.equal(value, b["params"][key]), (name, key)
+
+
+def _params(run_parent: Path) -> dict:
+    (run_dir,) = run_parent.iterdir()
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("algo", sorted(EXTRA))
+def test_two_ranks_match_one_process(algo, prompts):
+    """torchrun with 2 gloo ranks computes what one process computes for the same global batch: every draw is keyed
+    by the global sample index, each rank takes a slice of every optimizer step, gradients are averaged."""
+    flags = "--num-epochs 2 --eval-every 10 --grad-steps-per-epoch 1"
+    run(algo, f"{flags} --output-dir {prompts / 'one'}", prompts)
+    cmd = (f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 algos/{algo}.py {TINY} {EXTRA[algo]} "
+           f"--test-prompts {prompts / 'test.txt'} {flags} --output-dir {prompts / 'two'}")  # fmt: skip
+    out = subprocess.run(cmd, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
+    (two_dir,) = (prompts / "two").iterdir()
+    assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1
+    a, b = _params(prompts / "one"), _params(prompts / "two")
+    assert a["step"] == b["step"] == 2
+    # LoRA B starts at 0, so its norm is the size of the update; summation order may differ across ranks
+    keys = [k for k in a["params"] if "lora_B" in k]
+    diff = sum((a["params"][k] - b["params"][k]).pow(2).sum() for k in keys).sqrt()
+    update = sum(a["params"][k].pow(2).sum() for k in keys).sqrt()
+    assert update > 0 and diff / update < 1e-2, (diff / update).item()
+
+
+BAD_INPUTS = {  # flags -> the start of the one error line
+    "--train-prompts {tmp}/empty.txt": "error: prompt file",
+    "--train-prompts {tmp}/bad.jsonl": "error: {tmp}/bad.jsonl:1: expected a JSON object",
+    "--train-prompts {tmp}/missing.txt": "error: prompt file",
+    "--model {tmp}/no-model": "error: model",
+    "--group-size 1": "error: group_size must be >= 2",
+    "--grad-steps-per-epoch 3": "error: grad_steps_per_epoch x world size (3 x 1)",
+    "--reward shapes:heavy": "error: bad weight 'heavy'",
+}
+
+
+@pytest.mark.parametrize("flags", sorted(BAD_INPUTS))
+def test_bad_input_gives_one_line_and_exit_2(flags, prompts):
+    (prompts / "empty.txt").write_text("\n\n")
+    (prompts / "bad.jsonl").write_text('{"text": "a red circle"}\n')
+    out = run("nft", f"--num-epochs 1 --output-dir {prompts / 'runs'} " + flags.format(tmp=prompts), prompts, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(BAD_INPUTS[flags].format(tmp=prompts)), out.stderr[-500:]
+    assert not (prompts / "runs").exists()  # failed before anything was written
+
+
+def test_bad_cli_choice_exits_2(prompts):
+    out = run("nft", "--dynamics Foo", prompts, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "invalid choice 'Foo'" in out.stderr
+
+
+BAD_REWARD = """
+import sys, torch
+sys.path[:0] = ["{repo}", "{repo}/algos"]
+import rewards, nft, tyro, common
+rewards.REWARDS["bad"] = lambda device: (lambda images, prompts: {bad})
+common.run_main(nft.main, tyro.cli(nft.Args))
+"""
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("torch.full((len(prompts),), float('nan'))", "error: reward 'bad' returned NaN or inf for 4 of 4 images"),
+    ("torch.zeros(len(prompts), 2)", "error: reward 'bad' returned (4, 2), expected a tensor of shape (4,)"),
+])  # fmt: skip
+def test_bad_reward_output_stops_with_one_line(bad, message, prompts):
+    script = prompts / "bad_reward.py"
+    script.write_text(BAD_REWARD.format(bad=bad, repo=REPO))
+    cmd = f"{sys.executable} {script} {TINY} {EXTRA['nft']} --test-prompts {prompts / 'test.txt'} --reward bad --output-dir {prompts / 'runs'}"
+    out = subprocess.run(cmd, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == message
+
+
+def test_nan_loss_skips_then_aborts_with_checkpoint(prompts):
+    """A learning rate that blows the weights up: non-finite updates are skipped with a warning, five in a row abort
+    with one line and a checkpoint; the earlier checkpoints are kept."""
+    out = run("crd", f"--num-epochs 8 --learning-rate 1e30 --eval-every 100 --output-dir {prompts / 'runs'}", prompts, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "warning: non-finite gradient" in out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: 5 non-finite updates in a row; checkpoint saved")
+    (run_dir,) = (prompts / "runs").iterdir()
+    assert (run_dir / "checkpoints" / "last.pt").exists() and list((run_dir / "checkpoints").glob("epoch_*.pt"))

@@ -99,13 +99,14 @@ def test_group_weight_cancels_per_prompt_constants():
 
 
 def test_group_noise_shared_within_groups_only():
-    eps = dgpo.group_noise(3, 4, (2, 5, 5), torch.Generator().manual_seed(0))
+    eps = dgpo.group_noise([torch.Generator().manual_seed(g) for g in range(3)], 4, (2, 5, 5))
     assert eps.shape == (12, 2, 5, 5)
     for g in range(3):
         for i in range(4 * g, 4 * g + 4):
             assert torch.equal(eps[i], eps[4 * g])
     assert not torch.equal(eps[0], eps[4]) and not torch.equal(eps[4], eps[8])
-    torch.testing.assert_close(eps[::4], torch.randn(3, 2, 5, 5, generator=torch.Generator().manual_seed(0)))
+    for g in range(3):
+        torch.testing.assert_close(eps[4 * g], torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(g)))
 
 
 def test_ema_ref_decay_and_update():
