@@ -29,6 +29,8 @@ def test_load_pipeline_detects_flux_and_sets_the_unpacked_latent_shape(flux_pipe
     assert small.latent_shape == (4, 8, 8) and small.scheduler.image_seq_len == 16
     with pytest.raises(common.UserError, match="multiple of 8"):  # VAE factor 4 x the 2x2 packing
         common.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=36)
+    with pytest.raises(common.UserError, match="no such pipeline folder"):
+        common.load_pipeline(flux_pipeline_dirs["dev"] + "-missing", torch.device("cpu"))
 
 
 def test_pack_latents_matches_flux_pipeline_and_inverts():
