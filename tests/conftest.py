@@ -62,7 +62,8 @@ def flux_pipeline_dirs(tmp_path_factory):
             use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
         )  # fmt: skip
         scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            max_image_seq_len=4096,
         )
         pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok,
                             transformer=transformer)  # fmt: skip

@@ -90,7 +90,8 @@ def test_dynamic_shift_is_flux_time_shift_of_the_token_count(pipes):
 def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
     pipe = pipes["dev"]
     transformer = copy.deepcopy(pipe.transformer)
-    targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # the algos' default
+    # the algos' default targets, named after SD3's joint attention
+    targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     params = common.add_lora(transformer, rank=4, alpha=4, target_modules=targets)
     wrapped = {n.split(".lora_")[0] for n, _ in transformer.named_parameters() if "lora_A" in n}
     assert any(n.startswith("single_transformer_blocks.") for n in wrapped)  # single blocks: to_q/k/v (no to_out there)
@@ -112,9 +113,11 @@ def test_nft_runs_on_flux(flux_pipeline_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))
     repo = Path(__file__).resolve().parents[1]
-    cmd = (f"{sys.executable} algos/nft.py --model {flux_pipeline_dirs['dev']} --train-prompts {prompts} --test-prompts {prompts} "
-           f"--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --num-train-timesteps 2 "
-           f"--guidance-scale 3.5 --reward jpeg_compressibility --output-dir {tmp_path / 'runs'}")  # fmt: skip
+    flags = ("--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --num-train-timesteps 2 "
+             "--kl-beta 0.01 --guidance-scale 3.5 --reward jpeg_compressibility")  # kl-beta: the reference model too
+    model = flux_pipeline_dirs["dev"]
+    cmd = f"{sys.executable} algos/nft.py --model {model} --train-prompts {prompts} --test-prompts {prompts} {flags}"
+    cmd += f" --output-dir {tmp_path / 'runs'}"
     out = subprocess.run(cmd, shell=True, cwd=repo, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final eval" in out.stdout and list((tmp_path / "runs").glob("*/checkpoints/last.pt"))
