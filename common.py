@@ -198,23 +198,26 @@ def cleanup_distributed():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# model: a diffusers SD3-family pipeline, LoRA via peft, the reference model = adapter disabled
+# model: a diffusers SD3- or FLUX-family pipeline, LoRA via peft, the reference model = adapter disabled
 # ----------------------------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
-    """Load a `StableDiffusion3Pipeline` from a local folder or a hub id, frozen, in eval mode.
+    """Load a `StableDiffusion3Pipeline` or a `FluxPipeline` from a local folder or a hub id, frozen, in eval mode.
 
-    T5 (text_encoder_3) is optional: when the folder has none, the pipeline pads the text sequence with zeros.
-    `resolution` (pixels, default the model's native size) sets `pipe.latent_shape`, what the sampler draws.
+    The family comes from the folder's model_index.json (`_class_name`), or for a hub id from "flux" in its name.
+    SD3: T5 (text_encoder_3) is optional; when the folder has none, the pipeline pads the text sequence with zeros.
+    `resolution` (pixels, default the model's native size) sets `pipe.latent_shape`, what the sampler draws: the
+    VAE's [C, h, w] layout for both families (FLUX packs it into 2x2 patches only inside `velocity`), and for FLUX
+    also `pipe.scheduler.image_seq_len`, which fixes its resolution-dependent shift (see `sigma_schedule`).
     """
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # importing the pipelines warns about torchvision for SD3's unused image encoder
     try:
-        from diffusers import StableDiffusion3Pipeline
+        from diffusers import FluxPipeline, StableDiffusion3Pipeline
     finally:
         transformers.logging.set_verbosity(verbosity)
 
@@ -222,11 +225,15 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
     looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local and not (local / "model_index.json").exists():
         raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
+    if looks_local:
+        flux = json.loads((local / "model_index.json").read_text()).get("_class_name") == "FluxPipeline"
+    else:
+        flux = "flux" in model.lower()
     kwargs = {}
-    if looks_local and not (local / "text_encoder_3").exists():
+    if not flux and looks_local and not (local / "text_encoder_3").exists():
         kwargs.update(text_encoder_3=None, tokenizer_3=None)
     try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(
+        pipe = (FluxPipeline if flux else StableDiffusion3Pipeline).from_pretrained(
             str(local) if looks_local else model, dtype=dtype, local_files_only=looks_local, **kwargs
         )
     except OSError as e:
@@ -234,12 +241,19 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
     pipe.set_progress_bar_config(disable=True)
     cfg = pipe.transformer.config
-    latent = cfg.sample_size if resolution is None else resolution // pipe.vae_scale_factor
-    if resolution is not None and (resolution % (pipe.vae_scale_factor * cfg.patch_size) or latent < cfg.patch_size):
-        raise UserError(f"resolution {resolution} must be a multiple of {pipe.vae_scale_factor * cfg.patch_size}")
-    pipe.latent_shape = (cfg.in_channels, latent, latent)
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-        if m is not None:
+    if flux:  # latents are packed into 2x2 patches (in_channels = 4 C); FLUX's native size is its VAE's (1024)
+        channels, patch = cfg.in_channels // 4, 2
+        latent = (resolution or pipe.vae.config.sample_size) // pipe.vae_scale_factor
+    else:
+        channels, patch = cfg.in_channels, cfg.patch_size
+        latent = cfg.sample_size if resolution is None else resolution // pipe.vae_scale_factor
+    if resolution is not None and (resolution % (pipe.vae_scale_factor * patch) or latent < patch):
+        raise UserError(f"resolution {resolution} must be a multiple of {pipe.vae_scale_factor * patch}")
+    pipe.latent_shape = (channels, latent, latent)
+    if flux:
+        pipe.scheduler.image_seq_len = (latent // 2) ** 2  # tokens per image: what FluxPipeline computes its shift mu from
+    for m in pipe.components.values():
+        if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
     return pipe.to(device)
 
@@ -256,6 +270,18 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]
         p.data = p.data.float()
         p.requires_grad_(True)
     return params
+
+
+def enable_gradient_checkpointing(transformer):
+    """Recompute each transformer block's activations in the backward pass instead of keeping them: activation
+    memory of one block instead of all (FLUX.1 has 57), for about one more forward per training step.
+
+    diffusers checkpoints every block with non-reentrant `torch.utils.checkpoint`, so the LoRA weights inside a block
+    get their gradients although the block's inputs need none, and only forwards with grad enabled are affected
+    (sampling under no_grad runs as before). The loss and gradients are unchanged."""
+    if not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise UserError(f"{type(transformer).__name__} does not support gradient checkpointing")
+    transformer.enable_gradient_checkpointing()
 
 
 @contextlib.contextmanager
@@ -291,39 +317,113 @@ def autocast(device: torch.device, enabled: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # text, velocity, decode
 # ----------------------------------------------------------------------------------------------------------------
-class PromptEncoder:
-    """Encodes prompts once and caches (embeds, pooled) per prompt; the negative prompt for CFG is "" by default."""
+def is_flux(transformer) -> bool:
+    """FLUX (`FluxTransformer2DModel`) rather than SD3: packed latents, rotary position ids, guidance embedding."""
+    return type(transformer).__name__ == "FluxTransformer2DModel"
 
-    def __init__(self, pipe, max_sequence_length: int = 128, negative_prompt: str = ""):
-        self.pipe = pipe
-        # without T5 the pipeline pads with zeros of this length; 1 keeps the tiny model cheap (it was trained so)
-        self.max_sequence_length = max_sequence_length if pipe.text_encoder_3 is not None else 1
+
+class PromptEncoder:
+    """Encodes prompts once and caches (embeds, pooled) per prompt; the negative prompt for CFG is "" by default.
+
+    embeds are the token embeddings the transformer attends to (SD3: CLIP-L/G + T5 concatenated; FLUX: T5 only) and
+    pooled the vector that joins the timestep embedding (SD3: both CLIPs' projections; FLUX: CLIP-L's pooled output).
+    `max_sequence_length` (T5 tokens): default 128 for SD3 and 512 (FluxPipeline's default) for FLUX, where it is
+    capped at the T5 tokenizer's own maximum. `cache_device` holds the cache (default: the transformer's device;
+    "cpu" for large prompt sets, e.g. FLUX keeps 512 x 4096 values per prompt) and lookups move it to that device.
+    """
+
+    def __init__(self, pipe, max_sequence_length: Optional[int] = None, negative_prompt: str = "", cache_device=None):
+        self.pipe, self.flux = pipe, is_flux(pipe.transformer)
+        if self.flux:
+            self.max_sequence_length = min(max_sequence_length or 512, pipe.tokenizer_2.model_max_length)
+        else:  # without T5 the pipeline pads with zeros of this length; 1 keeps the tiny model cheap (it was trained so)
+            self.max_sequence_length = (max_sequence_length or 128) if pipe.text_encoder_3 is not None else 1
         self.negative_prompt = negative_prompt
+        self.device = pipe.transformer.device
+        self.cache_device = torch.device(cache_device) if cache_device is not None else self.device
         self.cache = {}
+
+    def text_encoders(self) -> list:
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        return [m for m in (getattr(self.pipe, n, None) for n in names) if m is not None]
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]):
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
         if missing:
-            e, _, p, _ = self.pipe.encode_prompt(
-                missing, None, None, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
-            )
+            # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
+            device = self.text_encoders()[0].device
+            if self.flux:  # returns (T5 embeds, CLIP pooled, text ids); the ids are rebuilt in `velocity`
+                e, p, _ = self.pipe.encode_prompt(missing, None, device=device, max_sequence_length=self.max_sequence_length)
+            else:
+                e, _, p, _ = self.pipe.encode_prompt(
+                    missing, None, None, device=device, do_classifier_free_guidance=False,
+                    max_sequence_length=self.max_sequence_length,
+                )  # fmt: skip
             for i, prompt in enumerate(missing):
-                self.cache[prompt] = (e[i], p[i])
-        embeds = torch.stack([self.cache[p][0] for p in prompts])
-        pooled = torch.stack([self.cache[p][1] for p in prompts])
+                self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
+        embeds = torch.stack([self.cache[p][0] for p in prompts]).to(self.device)
+        pooled = torch.stack([self.cache[p][1] for p in prompts]).to(self.device)
         return embeds, pooled
 
     def negative(self, batch: int):
         e, p = self([self.negative_prompt])
         return e.expand(batch, -1, -1), p.expand(batch, -1)
 
+    def precompute(self, prompts: Sequence[str], batch: int = 64):
+        """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`."""
+        prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
+        for k in range(0, len(prompts), batch):
+            self(prompts[k : k + batch])
+
+    def offload(self):
+        """Move the text encoders to the CPU (FLUX's and SD3's T5-XXL is ~9 GB in bf16), typically after `precompute`
+        of the train and test prompts. Cached prompts are unaffected; a prompt not cached still works, encoded on
+        the CPU (slowly)."""
+        for m in self.text_encoders():
+            m.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def pack_latents(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> FLUX's token sequence [B, h/2 * w/2, 4 C]: each 2x2 patch becomes one token, row-major,
+    channels outermost within a token (`FluxPipeline._pack_latents`)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `pack_latents`."""
+    b, _, d = x.shape
+    return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
 
 def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
-    """One transformer call v(x, sigma | text); with CFG (scale > 1 and `neg` = (embeds, pooled) of the negative
-    prompt) a single 2B-batch call gives v = v_uncond + g (v_cond - v_uncond). Returns fp32."""
+    """One transformer call v(x, sigma | text) on latents x [B, C, h, w]. Returns fp32 [B, C, h, w].
+
+    SD3: with CFG (scale > 1 and `neg` = (embeds, pooled) of the negative prompt) a single 2B-batch call gives
+    v = v_uncond + g (v_cond - v_uncond).
+    FLUX: never two-pass CFG. FLUX.1-dev is guidance-distilled: `guidance_scale` goes into its guidance embedding
+    (FluxPipeline's `guidance_scale`, 3.5 typical) and `neg` is unused; FLUX.1-schnell has no guidance embedding and
+    ignores the scale, as FluxPipeline does. (FluxPipeline's two-pass `true_cfg_scale` is not supported.)
+    """
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
     dtype = transformer.dtype
+    if is_flux(transformer):
+        h, w = x.shape[-2:]
+        # position ids (0, row, col) per image token and all-zero ids for the text tokens (FluxPipeline's
+        # `_prepare_latent_image_ids` / `encode_prompt`), consumed by the rotary embedding
+        rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).view(-1, 3).to(x.device, torch.float32)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device)
+        guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
+        # FLUX takes timestep = sigma (FluxPipeline passes t / 1000) and scales it, and the guidance, by 1000 itself
+        out = transformer(
+            hidden_states=pack_latents(x).to(dtype), timestep=sigma, guidance=guidance, encoder_hidden_states=embeds.to(dtype),
+            pooled_projections=pooled.to(dtype), txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+        )[0].float()  # fmt: skip
+        return unpack_latents(out, h, w)
     if guidance_scale > 1.0:
         assert neg is not None, "CFG needs the negative prompt embeddings"
         out = transformer(
@@ -356,12 +456,26 @@ def decode(pipe, latents: torch.Tensor, chunk: int = 64) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # the sampler
 # ----------------------------------------------------------------------------------------------------------------
-def sigma_schedule(scheduler, num_steps: int, device=None) -> torch.Tensor:
-    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (what Flow-GRPO samples with)."""
+def sigma_schedule(scheduler, num_steps: int, device=None, image_seq_len: Optional[int] = None) -> torch.Tensor:
+    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (what Flow-GRPO samples with).
+
+    SD3 has a fixed shift. FLUX's scheduler (`use_dynamic_shifting`) shifts by exp(mu) with mu linear in the image's
+    token count, as FluxPipeline's `calculate_shift`; the count is `image_seq_len`, by default the one
+    `load_pipeline` stored on the scheduler for the run's resolution."""
     import copy
 
+    kwargs = {}
+    cfg = scheduler.config
+    if cfg.get("use_dynamic_shifting", False):
+        seq_len = image_seq_len or getattr(scheduler, "image_seq_len", None)
+        if seq_len is None:
+            raise ValueError("a dynamically shifted schedule (FLUX) needs image_seq_len; load the pipeline with load_pipeline")
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)  # mu: 0.5 at 256 tokens (512 px), 1.15 at 4096 (1024 px)
+        kwargs["mu"] = seq_len * slope + (base_shift - slope * base_len)
     sched = copy.deepcopy(scheduler)  # set_timesteps mutates the scheduler; keep the pipeline's untouched
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
     return sched.sigmas.float()
 
 
@@ -421,6 +535,7 @@ def sample(
     `sde_steps`: the step indices that get noise (the SDE window); None = every step but the last for SDE dynamics.
     Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device; a list of generators
     (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
+    Latents are [B, C, h, w] for every family (`pipe.latent_shape`; FLUX's packing happens inside `velocity`).
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
@@ -429,7 +544,8 @@ def sample(
         shape = latent_shape or (transformer.config.in_channels, transformer.config.sample_size, transformer.config.sample_size)
         noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
-    sigmas = sigma_schedule(scheduler, num_steps, device)
+    # FLUX's shift depends on the image's token count: take it from the latents actually sampled
+    sigmas = sigma_schedule(scheduler, num_steps, device, x[0, 0].numel() // 4 if is_flux(transformer) else None)
     if dynamics == "ODE":
         sde_steps = []
     elif sde_steps is None:

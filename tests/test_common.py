@@ -287,3 +287,46 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path)
         assert len(list(path.parent.glob("epoch_*.pt"))) <= 3  # the newest 2, plus at most one linked, not yet pruned
     # the kills did land inside writes: their temp files are left behind (harmless: nothing reads them)
     assert list(path.parent.glob("*.tmp*"))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_dir, flux_pipeline_dirs, family):
+    pipe = common.load_pipeline(random_pipeline_dir if family == "sd3" else flux_pipeline_dirs["dev"], torch.device("cpu"))
+    torch.manual_seed(0)
+    params = common.add_lora(pipe.transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    with torch.no_grad():
+        for p in params:  # LoRA B starts at 0: move it so every LoRA weight gets a gradient
+            p.add_(0.05)
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads():  # guidance 3.5: SD3's two-pass CFG, FLUX's guidance embedding
+        loss = common.velocity(pipe.transformer, x, 0.6, embeds, pooled, enc.negative(len(PROMPTS)), 3.5).pow(2).mean()
+        grads = torch.autograd.grad(loss, params)
+        return loss.detach(), grads
+
+    loss, grads = loss_and_grads()
+    common.enable_gradient_checkpointing(pipe.transformer)
+    assert pipe.transformer.gradient_checkpointing
+    loss_ckpt, grads_ckpt = loss_and_grads()
+    torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
+    assert all(g.abs().sum() > 0 for g in grads)
+    for g, g_ckpt in zip(grads, grads_ckpt):
+        torch.testing.assert_close(g_ckpt, g, rtol=1e-6, atol=1e-7)
+
+
+def test_offload_moves_text_encoders_to_cpu_and_keeps_the_embeddings(random_pipeline_dir):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a CPU-only machine nothing moves
+    pipe = common.load_pipeline(random_pipeline_dir, device)
+    fresh = common.PromptEncoder(pipe)(PROMPTS)
+    enc = common.PromptEncoder(pipe, negative_prompt="a square")
+    enc.precompute(PROMPTS[:2], batch=1)
+    assert set(enc.cache) == {"a square", *PROMPTS[:2]}  # the negative prompt too
+    enc.offload()
+    assert all(next(m.parameters()).device.type == "cpu" for m in enc.text_encoders())
+    assert pipe.transformer.device == device
+    embeds, pooled = enc(PROMPTS)  # two cached, one encoded on the CPU after the offload
+    assert embeds.device == pooled.device == device
+    # batch size 1 vs 3 (and CPU vs GPU) changes the text encoders' float rounding, nothing more
+    torch.testing.assert_close((embeds, pooled), fresh, rtol=1e-4, atol=1e-5)
