@@ -47,6 +47,10 @@ class Args:
     """besides checkpoints/last.pt, keep the last N saves as checkpoints/epoch_<E>.pt (0: only last.pt)"""
     mixed_precision: bool = False
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    offload_text_encoders: bool = False
+    """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
     resolution: Optional[int] = None
@@ -225,7 +229,12 @@ def main(args: Args):
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     common.check_same_on_all_ranks(params)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.gradient_checkpointing:
+        common.enable_gradient_checkpointing(transformer)
     encoder = common.PromptEncoder(pipe)
+    if args.offload_text_encoders:
+        encoder.precompute(train_prompts + test_prompts)
+        encoder.offload()
     if dist.is_main:
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 

@@ -14,7 +14,7 @@ TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-ever
 # per-algorithm flags that keep the smoke run small
 EXTRA = {
     "awm": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --kl-beta 0.01 --ema-kl-beta 0.1 --off-policy --ema-decay-ramp 0.2",
-    "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 2",
+    "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 2 --gradient-checkpointing --offload-text-encoders",
     "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1",
     "dgpo": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --switch-ema-ref 1 --ema-ref-ramp-rate 0.1",
     "nft": "--num-train-timesteps 2 --kl-beta 0.01 --decay-ramp 0.3",
