@@ -20,7 +20,7 @@ import torch
 from common import UserError
 
 QUOTED = re.compile(r'"([^"]*)"')
-DET_MIN_SIDE = 256  # detection input: small images are upscaled so the shorter side is 256 px (rapidocr's default 736)
+DET_MIN_SIDE = 256  # detection upscales images whose shorter side is below this (rapidocr: 736, 6x slower here)
 MIN_CONFIDENCE = 0.5  # PaddleOCR's drop_score and rapidocr's Global.text_score
 
 
@@ -55,7 +55,7 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
     [0, 1] on the images' device. The OCR runs on the CPU (onnxruntime, torch.get_num_threads() threads), one image at a
     time (~30 ms each for 64-256 px images); `device` is unused."""
     try:
-        import onnxruntime  # noqa: F401  (rapidocr imports its engine only when the first image arrives)
+        import onnxruntime  # noqa: F401  (rapidocr itself imports it only when it first runs a model)
         import rapidocr
         from rapidocr import RapidOCR
     except ImportError as e:
@@ -71,7 +71,7 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
             "Det.model_path": str(models / "PP-OCRv6_det_small.onnx"),
             "Det.limit_side_len": DET_MIN_SIDE,
             "Rec.model_path": str(models / "PP-OCRv6_rec_small.onnx"),  # the character list is inside the ONNX file
-            "Cls.model_path": str(models / "ch_ppocr_mobile_v2.0_cls_mobile.onnx"),
+            "Cls.model_path": str(models / "ch_ppocr_mobile_v2.0_cls_mobile.onnx"),  # unused (use_cls off), never fetched
             "EngineConfig.onnxruntime.intra_op_num_threads": threads,
             "EngineConfig.onnxruntime.inter_op_num_threads": 1,
         }
@@ -83,7 +83,8 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
 
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
         if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
-            raise ValueError(f"expected images [B, 3, H, W] and B prompts, got {tuple(images.shape)} and {len(prompts)} prompts")
+            got = f"{tuple(images.shape)} and {len(prompts)} prompts"
+            raise ValueError(f"expected images [B, 3, H, W] float in [0, 1] and B prompts, got {got}")
         targets = [quoted_text(p) for p in prompts]
         pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         scores = [ocr_score(recognise(image), target) for image, target in zip(pixels, targets)]
