@@ -26,6 +26,7 @@ REWARDS: Dict[str, Callable] = {
     "pickscore": _lazy("pickscore", "pickscore"),
     "clipscore": _lazy("clipscore", "clipscore"),
     "aesthetic": _lazy("aesthetic", "aesthetic"),
+    "ocr": _lazy("ocr", "ocr"),
 }
 
 
