@@ -67,8 +67,9 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation)"""
-    guidance_scale: float = 4.5
-    """CFG scale of the rollout and of evaluation; DGPO's training forwards use no CFG (paper: 4.5)"""
+    guidance_scale: float = 1.0
+    """CFG scale of the rollout and of evaluation; DGPO's training forwards use no CFG (paper: 4.5; on tiny-shapes 4.5
+    moved the held-out score only 0.578 -> 0.608 in 60 epochs, CFG 1 0.419 -> 0.582)"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
     """rollout dynamics; DGPO only needs clean samples, so the ODE is the default (the paper's ODE-vs-SDE ablation, Fig. 5)"""
     eta: float = 0.7

@@ -74,4 +74,4 @@ def test_grpo_learns_both_directions(reward, tmp_path):
     acc.Reload()
     curve = [e.value for e in acc.Scalars(f"eval/{reward}")]
     assert len(curve) == 3
-    assert curve[-1] - curve[0] > 0.04, curve  # measured: +0.16 (compressibility)
+    assert curve[-1] - curve[0] > 0.04, curve  # fixed eval noise: a no-op update gives exactly 0
