@@ -36,7 +36,7 @@ class Args:
     """runs are written to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
     """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/*.pt files"""
-    num_epochs: int = 90
+    num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
     """evaluate on the held-out prompts every this many epochs (and at the end)"""
