@@ -89,7 +89,8 @@ def table(results, args, out):
              f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
              f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}.", "",
              "| algorithm | seeds | base | final | final strict | images to reach | wall-clock to reach (s) | "
-             "s/epoch sampling / reward / training | peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "s/epoch sampling / reward / training | training / sampling | peak RSS (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for algo, runs in results.items():
         reach = [first_reach(r["images"], r["wall"], r["score"], args.threshold) for r in runs]
         t = {k: np.mean([r["time"][k] for r in runs]) for k in ("sampling", "reward", "training")}
@@ -98,6 +99,7 @@ def table(results, args, out):
             f"| [{algo}](../../../docs/{algo}.md) | {len(runs)} | {fmt([r['score'][0] for r in runs])} | "
             f"{fmt([r['score'][-1] for r in runs])} | {fmt(strict)} | {fmt([x for x, _ in reach], 0)} | "
             f"{fmt([w for _, w in reach], 0)} | {t['sampling']:.1f} / {t['reward']:.1f} / {t['training']:.1f} | "
+            f"{t['training'] / t['sampling']:.2f} | "
             f"{fmt([r['rss'] for r in runs], 0)} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
