@@ -84,11 +84,20 @@ def fmt(values, digits=3):
     return f"{np.nanmean(values):.{digits}f} ± {np.nanstd(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
 
 
+def fmt_reach(values, digits=0):
+    """Mean ± std over the seeds that reached the threshold, and how many did."""
+    values = np.asarray(values, dtype=float)
+    hit = values[~np.isnan(values)]
+    if len(hit) == 0:
+        return f"not reached (0/{len(values)})"
+    return f"{fmt(hit, digits)} ({len(hit)}/{len(values)})"
+
+
 def table(results, args, out):
     lines = [f"Reward `{args.reward}`, tiny-shapes, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
              f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
              f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}.", "",
-             "| algorithm | seeds | base | final | final strict | images to reach | wall-clock to reach (s) | "
+             "| algorithm | seeds | base | final | final strict | images to reach (seeds) | wall-clock to reach, s (seeds) | "
              "s/epoch sampling / reward / training | training / sampling | peak RSS (MB) |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for algo, runs in results.items():
@@ -97,8 +106,8 @@ def table(results, args, out):
         strict = [r["strict"][-1] if len(r["strict"]) else np.nan for r in runs]
         lines.append(
             f"| [{algo}](../../../docs/{algo}.md) | {len(runs)} | {fmt([r['score'][0] for r in runs])} | "
-            f"{fmt([r['score'][-1] for r in runs])} | {fmt(strict)} | {fmt([x for x, _ in reach], 0)} | "
-            f"{fmt([w for _, w in reach], 0)} | {t['sampling']:.1f} / {t['reward']:.1f} / {t['training']:.1f} | "
+            f"{fmt([r['score'][-1] for r in runs])} | {fmt(strict)} | {fmt_reach([x for x, _ in reach])} | "
+            f"{fmt_reach([w for _, w in reach])} | {t['sampling']:.1f} / {t['reward']:.1f} / {t['training']:.1f} | "
             f"{t['training'] / t['sampling']:.2f} | "
             f"{fmt([r['rss'] for r in runs], 0)} |"
         )
