@@ -1,7 +1,7 @@
 """The CPU results table: every algorithm on tiny-shapes, several seeds, each with its default hyperparameters.
 
     python benchmark/run_table.py --jobs 2                          # shapes reward, 3 seeds: 36 min on 2 cores
-    python benchmark/run_table.py --jobs 2 --reward jpeg_compressibility --threshold -0.6 --epochs 20
+    python benchmark/run_table.py --jobs 2 --reward jpeg_compressibility --threshold -0.5 --epochs 20 --extra --eval-every 2
     python benchmark/run_table.py --jobs 2 --quick                  # 1 seed, 1/3 of the epochs: ~5 min
     python benchmark/run_table.py --table-only                      # re-read finished runs, rewrite table + plots
 
