@@ -8,16 +8,22 @@
 # 40-step evaluation (eval here uses --num-steps).
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
-REWARD=${REWARD:-pickscore}
+# TASK=ocr: OCR (official dgx_awm.py OCR config): KL 3e-3 and discrete_wo_init timesteps; its SA-Solver noise 0.4 is not available here (Euler ODE); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
+# GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
+case "${TASK:-pickscore}" in
+  pickscore) TASK_FLAGS=() ;;
+  ocr) TASK_FLAGS=(--reward ocr --kl-beta 3e-3 --skip-pure-noise) ;;
+  *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
+esac
 # geometry: M=24 prompts x K=24 images = 576 per epoch = 72 per GPU; 1 optimizer step per epoch (so the ratio is 1)
 # timestep window: the official "first 90% of the 14 step indices" (indices 0..11, sigma >= 0.45) is --timestep-range 0.6
 torchrun --nproc-per-node 8 algos/awm.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
-  --reward "$REWARD" --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
+  --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
   --num-steps 14 --guidance-scale 1.0 --dynamics ODE \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 24 --group-size 24 --micro-batch 6 --grad-steps-per-epoch 1 \
   --num-train-timesteps 6 --timestep-range 0.6 --adv-clip 5 --advantage-max 1 --advantage-std global \
   --weighting ghuber --ghuber-power 0.25 --clip-low 1 --clip-high 1 \
   --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay 0.3 --ema-decay-ramp 0.001 \
-  --num-epochs 1000 --eval-every 50 --save-every 50
+  --num-epochs 1000 --eval-every 50 --save-every 50 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

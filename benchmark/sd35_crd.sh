@@ -3,15 +3,20 @@
 # Flow-Factory PR #121 / examples/crd/lora/sd3_5/default.yaml), 8 GPUs.
 # Paper: GenEval and OCR with "competitive SOTA"; its exact numbers could not be verified (see docs/crd.md).
 # DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/ocr or dataset/pickscore).
-# The OCR reward is not in cleanflow yet (rewards/ocr.py is a tracked issue); PickScore runs as is.
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
-REWARD=${REWARD:-pickscore}
+# TASK=ocr: the hyperparameters above are already the paper's OCR settings (Table 3); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
+# GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
+case "${TASK:-pickscore}" in
+  pickscore) TASK_FLAGS=() ;;
+  ocr) TASK_FLAGS=(--reward ocr) ;;
+  *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
+esac
 # geometry: M=48 prompts x K=24 images = 1152 per epoch; 8 GPUs x micro-batch 24 = whole groups per micro-batch
 # (the paper's B=8 mixes prompts inside a centring set; within-prompt centring needs micro_batch = K)
 torchrun --nproc-per-node 8 algos/crd.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
-  --reward "$REWARD" --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
+  --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
   --num-steps 10 --guidance-scale 1.0 --dynamics ODE \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 48 --group-size 24 --micro-batch 24 --grad-steps-per-epoch 2 \
@@ -19,4 +24,4 @@ torchrun --nproc-per-node 8 algos/crd.py \
   --crd-beta 1.0 --loss-type mse --weight-temp -1 --centering group \
   --old-model-decay 0-0.25-0.005-0.999 --sampling-model-decay 75-0.0-0.0075-0.999 \
   --kl-beta 0.1 --kl-cfg 4.5 --reward-adaptive-kl \
-  --num-epochs 1000 --eval-every 20 --save-every 20
+  --num-epochs 1000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

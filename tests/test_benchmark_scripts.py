@@ -1,0 +1,34 @@
+"""The paper commands in benchmark/sd35_*.sh parse with each script's flags and have a valid batch geometry on their
+GPU count, for every TASK (they cannot be run here: no GPU, no hub)."""
+
+import importlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import tyro
+
+import common
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
+# stands in for torchrun: prints the GPU count, the script and every argument, one per line
+FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "$0"'
+
+
+@pytest.mark.parametrize("task", ["pickscore", "ocr"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_paper_command_parses_with_a_valid_geometry(script, task):
+    out = subprocess.run(["bash", "-c", FAKE_TORCHRUN, str(script)], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    argv = out.stdout.splitlines()
+    assert argv[0] == "--nproc-per-node"
+    world, path, flags = int(argv[1]), argv[2], argv[3:]
+    algo = importlib.import_module(f"algos.{Path(path).stem}")
+    args = tyro.cli(algo.Args, args=flags)
+    assert args.reward == task and args.model == "stabilityai/stable-diffusion-3.5-medium"
+    common.batch_layout(args.num_prompts * args.group_size, args.grad_steps_per_epoch, world, args.micro_batch)
+    if Path(path).stem in ("crd", "dgpo"):  # whole groups per micro-batch
+        assert args.micro_batch % args.group_size == 0
