@@ -70,3 +70,14 @@ def flux_pipeline_dirs(tmp_path_factory):
         dirs[variant] = tmp_path_factory.mktemp("pipe") / f"random-flux-{variant}"
         pipe.save_pretrained(dirs[variant])
     return {k: str(v) for k, v in dirs.items()}
+
+
+def ode_sample(pipe, prompts, noise, steps, guidance_scale):
+    """Our ODE sampler with CFG against the empty negative prompt, as the pipelines' __call__ runs it."""
+    import common
+
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(prompts)
+    out = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(prompts)), num_steps=steps,
+                        guidance_scale=guidance_scale, noise=noise)  # fmt: skip
+    return out, enc

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from conftest import ode_sample
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +24,7 @@ PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
 def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
     steps = 6
     noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
-    enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
-    out = common.sample(
-        pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(PROMPTS)), num_steps=steps,
-        guidance_scale=guidance_scale, noise=noise,
-    )  # fmt: skip
+    out, _ = ode_sample(pipe, PROMPTS, noise, steps, guidance_scale)
     ours = common.decode(pipe, out.latents)
     ref = pipe(
         prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance_scale, height=64, width=64,
@@ -330,3 +326,50 @@ def test_offload_moves_text_encoders_to_cpu_and_keeps_the_embeddings(random_pipe
     assert embeds.device == pooled.device == device
     # batch size 1 vs 3 (and CPU vs GPU) changes the text encoders' float rounding, nothing more
     torch.testing.assert_close((embeds, pooled), fresh, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("total, grad_steps, world, micro", [(64, 2, 1, 16), (64, 2, 2, 8), (1152, 2, 8, 24), (48, 1, 4, 4)])
+def test_rank_layout_gives_every_optimizer_step_the_same_samples_on_any_rank_count(total, grad_steps, world, micro):
+    """Written independently of rank_indices: optimizer step s of one process is samples [s T/G, (s+1) T/G); with W
+    ranks its samples are the union of each rank's s-th chunk, and every rank micro-batch is a single-process one."""
+    per = common.batch_layout(total, grad_steps, world, micro)
+    ranks = [common.rank_indices(total, grad_steps, world, r).tolist() for r in range(world)]
+    assert sorted(sum(ranks, [])) == list(range(total))  # a partition of the epoch
+    for s in range(grad_steps):
+        step = sorted(i for idx in ranks for i in idx[s * per : (s + 1) * per])
+        assert step == list(range(s * total // grad_steps, (s + 1) * total // grad_steps))
+    single_micro = {tuple(range(k, k + micro)) for k in range(0, total, micro)}
+    for idx in ranks:
+        assert all(tuple(idx[k : k + micro]) in single_micro for k in range(0, len(idx), micro))
+
+
+def test_batch_layout_rejects_what_does_not_divide():
+    with pytest.raises(common.UserError, match=r"grad_steps_per_epoch x world size \(3 x 2\)"):
+        common.batch_layout(64, 3, 2, 8)
+    with pytest.raises(common.UserError, match=r"micro_batch \(6\) must divide the per-rank images per optimizer step \(16\)"):
+        common.batch_layout(64, 2, 2, 6)
+
+
+def test_keyed_noise_depends_on_the_key_not_on_the_batch():
+    """A sample's rollout noise is the same whichever other samples share its batch (what makes N ranks == 1)."""
+    rows = common.randn((3, 2, 4), common.keyed_generators(1, 5, "rollout", indices=[7, 3, 9]))
+    alone = common.randn((1, 2, 4), common.keyed_generators(1, 5, "rollout", indices=[3]))
+    torch.testing.assert_close(rows[1:2], alone, rtol=0, atol=0)
+    other_epoch = common.randn((1, 2, 4), common.keyed_generators(1, 6, "rollout", indices=[3]))
+    other_purpose = common.randn((1, 2, 4), common.keyed_generators(1, 5, "train", indices=[3]))
+    assert not torch.equal(alone, other_epoch) and not torch.equal(alone, other_purpose)
+    with pytest.raises(ValueError):
+        common.randn((2, 4), common.keyed_generators(1, 5, "x", indices=[1, 2, 3]))
+
+
+def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
+    """sample() with one generator per sample: each row's initial and step noise follow only its own key."""
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    kw = dict(num_steps=4, dynamics="Flow-SDE", eta=0.7, latent_shape=pipe.latent_shape)
+    full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled,
+                         generator=common.keyed_generators(0, 0, "rollout", indices=[0, 1, 2]), **kw)  # fmt: skip
+    last = common.sample(pipe.transformer, pipe.scheduler, embeds[2:], pooled[2:],
+                         generator=common.keyed_generators(0, 0, "rollout", indices=[2]), **kw)  # fmt: skip
+    torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)

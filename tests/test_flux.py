@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+from conftest import ode_sample
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
 
@@ -48,12 +49,7 @@ def test_ode_sampler_matches_flux_pipeline(pipes, variant, guidance_scale):
     swapped row/column position ids or a wrong token count in the shift would show."""
     pipe, steps = pipes[variant], 4
     noise = torch.randn(len(PROMPTS), 4, 16, 8, generator=torch.Generator().manual_seed(0))
-    enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
-    out = common.sample(
-        pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(PROMPTS)), num_steps=steps,
-        guidance_scale=guidance_scale, noise=noise,
-    )  # fmt: skip
+    out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance_scale)
     call = dict(prompt=PROMPTS, latents=common.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance_scale,
                 height=64, width=32, max_sequence_length=enc.max_sequence_length)  # fmt: skip
     ref_latents = pipe(**call, output_type="latent").images
