@@ -1,9 +1,11 @@
-"""Score a model (default: the embedded tiny-shapes base) on the held-out prompts, per GenEval category.
+"""Score a model (default: the embedded tiny-shapes base) on the held-out prompts, per category.
 
     python benchmark/base_model.py                          # ODE, 10 steps, CFG 1 and 4.5, 4 seeds per prompt
     python benchmark/base_model.py --grid assets/tiny-shapes-samples.png
+    python benchmark/base_model.py --reward ocr --model assets/tiny-text --prompts assets/text_test.jsonl
 
-Prints a markdown table of the mean `shapes` score and the strict (all requirements met) pass rate per category.
+Prints a markdown table of the mean score and the strict pass rate per category: for `shapes` GenEval's all
+requirements met, for `ocr` the word spelled exactly (score 1).
 """
 
 import argparse
@@ -21,7 +23,19 @@ import common  # noqa: E402
 from rewards import shapes  # noqa: E402
 
 
-def score_model(pipe, rows, guidance_scale, num_steps, seeds):
+def ocr_evaluate():
+    from rewards import ocr
+
+    fn = ocr.ocr()
+
+    def evaluate(images, prompts):
+        score = fn(images, prompts)
+        return {"score": score, "strict": (score == 1).float()}
+
+    return evaluate
+
+
+def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes.evaluate):
     encoder = common.PromptEncoder(pipe)
     prompts = [r["prompt"] for r in rows]
     per_cat = defaultdict(lambda: {"score": [], "strict": []})
@@ -29,7 +43,7 @@ def score_model(pipe, rows, guidance_scale, num_steps, seeds):
     for seed in seeds:
         imgs, _ = common.evaluate(pipe, pipe.transformer, encoder, prompts, lambda i, p: {}, num_steps=num_steps,
                                   guidance_scale=guidance_scale, seed=seed, repeats=1)  # fmt: skip
-        result = shapes.evaluate(imgs, prompts)
+        result = scorer(imgs, prompts)
         for r, s, st in zip(rows, result["score"], result["strict"]):
             for cat in (r.get("category", "all"), "overall"):
                 per_cat[cat]["score"].append(s.item())
@@ -56,22 +70,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=common.TINY_MODEL)
     ap.add_argument("--prompts", default=common.TEST_PROMPTS)
+    ap.add_argument("--reward", choices=("shapes", "ocr"), default="shapes")
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--guidance-scales", type=float, nargs="+", default=[1.0, 4.5])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--grid", default=None, help="save a PNG grid of the first seed's samples (at the first CFG scale)")
+    ap.add_argument("--grid", default=None, help="save a PNG grid of the first seed's samples (first CFG, first 36 prompts)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     pipe = common.load_pipeline(args.model, torch.device("cpu"))
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    scorer = ocr_evaluate() if args.reward == "ocr" else shapes.evaluate
     for g in args.guidance_scales:
-        per_cat, images = score_model(pipe, rows, g, args.num_steps, args.seeds)
+        per_cat, images = score_model(pipe, rows, g, args.num_steps, args.seeds, scorer)
         print(f"\nCFG {g}, {args.num_steps} ODE steps, seeds {args.seeds}, {len(rows)} prompts\n")
-        print("| category | prompts | mean shapes score | strict pass rate |\n|---|---|---|---|")
+        print(f"| category | prompts | mean {args.reward} score | strict pass rate |\n|---|---|---|---|")
         for cat, v in sorted(per_cat.items(), key=lambda kv: kv[0] == "overall"):
             print(f"| {cat} | {len(v['score']) // len(args.seeds)} | {np.mean(v['score']):.3f} | {np.mean(v['strict']):.3f} |")
         if args.grid and g == args.guidance_scales[0]:
-            save_grid(images, [r["prompt"] for r in rows], args.grid)
+            save_grid(images[:36], [r["prompt"] for r in rows][:36], args.grid)
             print(f"\ngrid saved to {args.grid}")
 
 

@@ -69,12 +69,15 @@ class MultiReward:
         return sum(w * scores[name] for name, w in self.weights.items())
 
     def evaluate(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
-        """Eval metrics: every reward, plus GenEval's strict pass rate when `shapes` is one of them."""
+        """Eval metrics: every reward, plus a strict pass rate for `shapes` (GenEval's all requirements met) and
+        `ocr` (the word spelled exactly)."""
         out = self(images, prompts)
         if "shapes" in self.weights:
             from rewards import shapes
 
             out["shapes_strict"] = shapes.evaluate(images, list(prompts))["strict"].to(images.device)
+        if "ocr" in self.weights:
+            out["ocr_strict"] = (out["ocr"] == 1).float()
         return out
 
 

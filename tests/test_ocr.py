@@ -80,6 +80,13 @@ def test_registered_and_batch_checked(rendered):
         fn(rendered[:3], prompts_for(WORDS[:2]))
 
 
+def test_eval_adds_exact_spelling_rate():
+    """`ocr_strict` (the run's eval/ocr_strict and the tables' "final strict") is 1 exactly when the word is right."""
+    images = torch.stack([render("hallo", 128), render("hello", 128)])
+    out = rewards.load_rewards("ocr", "cpu").evaluate(images, prompts_for(["hello", "hello"]))
+    assert out["ocr"].tolist() == pytest.approx([0.8, 1.0]) and out["ocr_strict"].tolist() == [0.0, 1.0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # definition: edit distance, normalisation, quoted text
 # ----------------------------------------------------------------------------------------------------------------
