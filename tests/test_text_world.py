@@ -1,0 +1,95 @@
+"""The tiny-text world and model (the OCR task): splits, renderings the OCR reads back, the shipped tokenizer spelling
+quoted words letter by letter, a base model that reads poorly but follows its prompt, and RL that raises the score."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+from assets import text_world
+from rewards import ocr
+
+TINY_TEXT = str(common.REPO / "assets" / "tiny-text")
+TEXT_TRAIN = common.REPO / "assets" / "text_train.jsonl"
+TEXT_TEST = common.REPO / "assets" / "text_test.jsonl"
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return ocr.ocr()
+
+
+def test_splits_are_disjoint_deterministic_and_match_the_shipped_files():
+    train, test = text_world.splits()
+    assert (train, test) == text_world.splits()
+    train_words, test_words = {w for *_, w in train}, {w for *_, w in test}
+    assert len(train_words) == len(train) == 4000 and len(test_words) == len(test) == 64
+    assert not train_words & test_words
+    for _, prompt, word in train + test:
+        assert 2 <= len(word) <= 4 and set(word) <= set(text_world.LETTERS)
+        assert ocr.quoted_text(prompt) == word
+    assert common.load_prompts(str(TEXT_TEST)) == [p for _, p, _ in test]
+    assert common.load_prompts(str(TEXT_TRAIN)) == [p for _, p, _ in train]
+
+
+def test_renderings_are_read_back(reward):
+    """The pretraining images themselves score ~1: the task is solvable at 64 px and the reward is not the limit."""
+    train, _ = text_world.splits()
+    captions, images = text_world.make_dataset(train, 48, seed=1)
+    scores = reward(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, captions)
+    assert scores.mean() >= 0.97, scores  # measured: 1.0 on 256 images
+
+
+def test_shipped_tokenizer_spells_quoted_words():
+    from transformers import CLIPTokenizer
+
+    tok = CLIPTokenizer.from_pretrained(TINY_TEXT, subfolder="tokenizer")
+    longest = max((p for _, p, _ in text_world.splits()[0]), key=len)
+    assert len(tok(longest).input_ids) <= tok.model_max_length  # never truncated
+    pieces = tok.tokenize('a sign that says "QUAY"')
+    assert pieces[pieces.index('"</w>') + 1 :] == ["q", "u", "a", "y</w>", '"</w>']  # a token per letter, lower-cased
+
+
+@pytest.fixture(scope="module")
+def base_samples():
+    """The base tiny-text model's held-out eval images, exactly as the scripts' eval samples them (ODE, 10 steps,
+    CFG 1, fixed noise, one image per prompt)."""
+    pipe = common.load_pipeline(TINY_TEXT, torch.device("cpu"))
+    prompts = common.load_prompts(str(TEXT_TEST))
+    images, _ = common.evaluate(pipe, pipe.transformer, common.PromptEncoder(pipe), prompts, lambda i, p: {},
+                                num_steps=10, guidance_scale=1.0, seed=0, repeats=1)  # fmt: skip
+    return images, prompts
+
+
+def test_base_model_reads_poorly_but_follows_the_prompt(reward, base_samples):
+    images, prompts = base_samples
+    scores = reward(images, prompts)
+    shuffled = reward(images, prompts[1:] + prompts[:1])
+    # room for RL, and not at zero (the papers' SD3.5-M starts at 0.59); measured 0.710 here, 0.679 over 4 seeds
+    assert 0.3 < scores.mean() < 0.85, scores.mean()
+    # the images spell their own word, not any word: conditioning works (measured 0.023 against the next prompt's word)
+    assert scores.mean() > shuffled.mean() + 0.4, (scores.mean(), shuffled.mean())
+
+
+def test_rl_raises_the_ocr_score(tmp_path):
+    """4 NFT epochs on four training words raise their OCR score (eval noise is fixed, so a no-op update scores exactly
+    the same; measured 0.708 -> 0.958, exact spelling 0.50 -> 0.88, seed 1, 15 s)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    words = common.load_prompts(str(TEXT_TRAIN))[:4]
+    (tmp_path / "p.txt").write_text("\n".join(words) + "\n")
+    cmd = [
+        sys.executable, "algos/nft.py", "--model", TINY_TEXT, "--reward", "ocr", "--train-prompts", str(tmp_path / "p.txt"),
+        "--test-prompts", str(tmp_path / "p.txt"), "--num-prompts", "4", "--group-size", "8", "--micro-batch", "16",
+        "--num-steps", "8", "--num-epochs", "4", "--eval-every", "4", "--save-every", "4", "--seed", "1",
+        "--output-dir", str(tmp_path / "runs"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    before, after = [e.value for e in acc.Scalars("eval/ocr")]
+    assert after - before > 0.1, (before, after)
