@@ -1,7 +1,9 @@
-"""The CPU results table: every algorithm on tiny-shapes, several seeds, each with its default hyperparameters.
+"""The CPU results table: every algorithm on an embedded model, several seeds, each with its default hyperparameters.
 
     python benchmark/run_table.py --jobs 2                          # shapes reward, 3 seeds: 36 min on 2 cores
     python benchmark/run_table.py --jobs 2 --reward jpeg_compressibility --threshold -0.5 --epochs 20 --extra --eval-every 2
+    python benchmark/run_table.py --jobs 2 --seeds 1 --reward ocr --threshold 0.75 --extra --model assets/tiny-text \
+        --train-prompts assets/text_train.jsonl --test-prompts assets/text_test.jsonl        # OCR on tiny-text: 20 min
     python benchmark/run_table.py --jobs 2 --quick                  # 1 seed, 1/3 of the epochs: ~5 min
     python benchmark/run_table.py --table-only                      # re-read finished runs, rewrite table + plots
 
@@ -94,7 +96,8 @@ def fmt_reach(values, digits=0):
 
 
 def table(results, args, out):
-    lines = [f"Reward `{args.reward}`, tiny-shapes, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
+    model = Path(args.extra[args.extra.index("--model") + 1]).name if "--model" in args.extra else "tiny-shapes"
+    lines = [f"Reward `{args.reward}`, {model}, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
              f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
              f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}.", "",
              "| algorithm | seeds | base | final | final strict | images to reach (seeds) | wall-clock to reach, s (seeds) | "
