@@ -234,7 +234,7 @@ def main(args: Args):
 
     # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
     train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
-    rewards = load_rewards(args.reward, device)
+    rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
     pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank

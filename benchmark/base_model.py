@@ -24,13 +24,14 @@ from rewards import shapes  # noqa: E402
 
 
 def ocr_evaluate():
-    from rewards import ocr
+    """The `ocr` score and its strict rate as the training scripts' eval logs them (eval/ocr, eval/ocr_strict)."""
+    from rewards import load_rewards
 
-    fn = ocr.ocr()
+    multi = load_rewards("ocr", torch.device("cpu"))
 
     def evaluate(images, prompts):
-        score = fn(images, prompts)
-        return {"score": score, "strict": (score == 1).float()}
+        out = multi.evaluate(images, prompts)
+        return {"score": out["ocr"], "strict": out["ocr_strict"]}
 
     return evaluate
 

@@ -5,7 +5,7 @@ dependencies themselves, so importing this package stays cheap.
 """
 
 import importlib
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -81,5 +81,11 @@ class MultiReward:
         return out
 
 
-def load_rewards(spec: str, device) -> MultiReward:
-    return MultiReward(parse_reward_spec(spec), device)
+def load_rewards(spec: str, device, prompts: Sequence[str] = ()) -> MultiReward:
+    """The rewards of `spec`; a reward that needs something of its prompts (ocr: a quoted text) checks `prompts` here,
+    so that a wrong prompt file fails with one line before the model loads, not at the first reward call."""
+    multi = MultiReward(parse_reward_spec(spec), device)
+    for fn in multi.fns.values():
+        if hasattr(fn, "check_prompts"):
+            fn.check_prompts(prompts)
+    return multi

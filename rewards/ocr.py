@@ -90,4 +90,14 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
         scores = [ocr_score(recognise(image), target) for image, target in zip(pixels, targets)]
         return torch.tensor(scores, dtype=torch.float32, device=images.device)
 
+    def check_prompts(prompts):
+        """Run before the model loads (rewards.load_rewards): every prompt has a text to write."""
+        try:
+            for p in prompts:
+                quoted_text(p)
+        except UserError as e:
+            raise UserError(f"{e} (the OCR task on tiny-text: --model assets/tiny-text --train-prompts "
+                            "assets/text_train.jsonl --test-prompts assets/text_test.jsonl)") from None
+
+    fn.check_prompts = check_prompts
     return fn

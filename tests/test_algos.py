@@ -147,6 +147,7 @@ BAD_INPUTS = {  # flags -> the start of the one error line
     "--group-size 1": "error: group_size must be >= 2",
     "--grad-steps-per-epoch 3": "error: grad_steps_per_epoch x world size (3 x 1)",
     "--reward shapes:heavy": "error: bad weight 'heavy'",
+    "--reward ocr": "error: the ocr reward needs the text to write in double quotes",  # shapes prompts, no quotes
 }
 
 

@@ -80,6 +80,12 @@ def test_registered_and_batch_checked(rendered):
         fn(rendered[:3], prompts_for(WORDS[:2]))
 
 
+def test_prompts_are_checked_when_the_reward_loads():
+    rewards.load_rewards("ocr", "cpu", prompts_for(WORDS))  # fine
+    with pytest.raises(UserError, match="double quotes"):
+        rewards.load_rewards("shapes:1,ocr:0.5", "cpu", ["a red circle"])
+
+
 def test_eval_adds_exact_spelling_rate():
     """`ocr_strict` (the run's eval/ocr_strict and the tables' "final strict") is 1 exactly when the word is right."""
     images = torch.stack([render("hallo", 128), render("hello", 128)])
