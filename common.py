@@ -724,7 +724,7 @@ class Logger:
     """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: Path, args, enabled: bool = True):
-        self.enabled = enabled
+        self.enabled, self.run_dir = enabled, Path(run_dir)
         self.writer = None
         if not enabled:
             return
@@ -744,23 +744,61 @@ class Logger:
                 self.writer.add_scalar(k, float(v), step)
 
     def images(self, tag: str, images: torch.Tensor, captions: Sequence[str], step: int, ncol: int = 8):
-        """A grid of images plus a markdown table of `prompt | reward` captions in the same order."""
+        """A grid of images with each caption drawn under its image, to TensorBoard and as
+        runs/<run>/samples/<eval|train>_<images seen>.png (so that hacking, e.g. extra objects, is seen at a glance)."""
         if not self.enabled:
             return
-        n = images.shape[0]
-        ncol = min(ncol, n)
-        nrow = -(-n // ncol)
-        c, h, w = images.shape[1:]
-        grid = torch.ones(c, nrow * (h + 2), ncol * (w + 2))
-        for i in range(n):
-            r, k = divmod(i, ncol)
-            grid[:, r * (h + 2) + 1 : r * (h + 2) + 1 + h, k * (w + 2) + 1 : k * (w + 2) + 1 + w] = images[i].cpu()
-        self.writer.add_image(tag, grid, step)
+        from PIL import Image
+
+        grid = captioned_grid(images, captions, ncol)
+        self.writer.add_image(tag, grid, step, dataformats="HWC")
         self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        Image.fromarray(grid).save(self.run_dir / "samples" / f"{tag.split('/')[0]}_{step:07d}.png")
 
     def close(self):
         if self.enabled:
             self.writer.close()
+
+
+def captions(prompts: Sequence[str], scores: dict) -> list:
+    """One caption per image: the prompt, then its eval scores (shortened names), e.g. "a red circle" /
+    "shapes .50 strict 0 exact 0 objects 3"."""
+    short = {"shapes_strict": "strict", "shapes_exact": "exact", "shapes_clean": "clean", "ocr_strict": "strict"}
+    skip = {"objects_extra", "prompt_specific_gap"}
+    out = []
+    for i, prompt in enumerate(prompts):
+        values = " ".join(f"{short.get(k, k)} {float(v[i]):.2f}".replace(".00", "").replace(" 0.", " .")
+                          for k, v in scores.items() if k not in skip)  # fmt: skip
+        out.append(f"{prompt} | {values}")
+    return out
+
+
+def captioned_grid(images: torch.Tensor, captions: Sequence[str], ncol: int = 8, scale: int = 2) -> np.ndarray:
+    """images [N, 3, H, W] in [0, 1] -> uint8 [H', W', 3]: a grid, each image upscaled `scale` times (nearest) with its
+    caption wrapped under it ("prompt | scores": the prompt on the first lines, the scores on the next)."""
+    import textwrap
+
+    from PIL import Image, ImageDraw
+
+    n = images.shape[0]
+    ncol = min(ncol, n)
+    h, w = images.shape[2] * scale, images.shape[3] * scale
+    width = max(w, 128) + 8
+    chars = width // 6  # PIL's default bitmap font is ~6 px wide
+    wrapped = [sum((textwrap.wrap(part.strip(), chars) or [""] for part in c.split("|")), []) for c in captions]
+    lines = max((len(x) for x in wrapped), default=0)
+    cell_h = h + 4 + 11 * lines
+    canvas = Image.new("RGB", (ncol * width, -(-n // ncol) * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    for i in range(n):
+        r, k = divmod(i, ncol)
+        x0, y0 = k * width + (width - w) // 2, r * cell_h + 2
+        canvas.paste(Image.fromarray(pixels[i]).resize((w, h), Image.NEAREST), (x0, y0))
+        for j, line in enumerate(wrapped[i] if i < len(wrapped) else []):
+            draw.text((k * width + 3, y0 + h + 2 + 11 * j), line, fill="black")
+    return np.asarray(canvas)
 
 
 def save_checkpoint(path: Path, state: dict, keep: int = 0):

@@ -123,8 +123,12 @@ class Args:
     """KL weight to the base model (velocity-space MSE)"""
     kl_cfg: float = 4.5
     """CFG scale of the base model inside the KL term (KL to a CFG-guided teacher)"""
-    reward_adaptive_kl: bool = True
-    """per-sample KL weight rises linearly with the [0, 1] advantage: from 1e-4 (worst) to kl_beta (best)"""
+    kl_adaptive: Literal["batch", "sample", "advantage", "none"] = "batch"
+    """reward-adaptive KL strength, from kl_floor at reward 0 to kl_beta at reward 1 (rewards in [0, 1], clipped):
+    "batch" follows the epoch's mean reward (weak KL early, strong late), "sample" each sample's own reward,
+    "advantage" the [0, 1]-mapped group advantage (Flow-Factory's code: its mean stays kl_beta / 2), "none" = kl_beta"""
+    kl_floor: float = 1e-4
+    """KL weight at reward 0 (the floor of the reward-adaptive KL)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -220,13 +224,23 @@ def crd_loss(r_theta, a, set_size: int, beta: float, loss_type: str, weight_temp
     return torch.stack(losses).sum() / (r_theta.shape[0] / set_size)
 
 
-def kl_to_base(v, v_ref, a, kl_beta: float, reward_adaptive: bool) -> torch.Tensor:
-    """kl_beta E ||v - v_ref||^2; reward-adaptive: per-sample weight 1e-4 + a (kl_beta - 1e-4)."""
-    kl_i = (v - v_ref).pow(2).flatten(1).mean(1)
-    if not reward_adaptive:
-        return kl_beta * kl_i.mean()
-    floor = min(1e-4, kl_beta)
-    return ((floor + a * (kl_beta - floor)) * kl_i).mean()
+def kl_weight(reward, a, kl_beta: float, floor: float, mode: str) -> torch.Tensor:
+    """Per-sample KL weight [B]: floor + level (kl_beta - floor), level in [0, 1] (CRD's reward-adaptive KL strength).
+
+    The paper motivates it as weak KL while rewards are low (fast early learning) and strong once they are high
+    (less late exploitation of reward-model loopholes), so the level is the reward: the epoch's mean reward ("batch")
+    or each sample's ("sample"). Flow-Factory feeds the [0, 1]-mapped group advantage `a` instead ("advantage"), whose
+    mean is 0.5 at every stage of training, so its strength never adapts; kept for parity with that code."""
+    if mode == "none":
+        return torch.full_like(a, kl_beta)
+    level = {"batch": reward.mean().expand_as(a), "sample": reward, "advantage": a}[mode].clamp(0, 1)
+    floor = min(floor, kl_beta)
+    return floor + level * (kl_beta - floor)
+
+
+def kl_to_base(v, v_ref, weight) -> torch.Tensor:
+    """E_i w_i ||v_i - v_ref_i||^2: velocity-space KL to the CFG-guided base model, weighted per sample."""
+    return (weight * (v - v_ref).pow(2).flatten(1).mean(1)).mean()
 
 
 def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -328,8 +342,7 @@ def main(args: Args):
             imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
                                            guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            first = next(iter(scores))
-            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
@@ -367,8 +380,10 @@ def main(args: Args):
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
-            )[local_idx]
-            a = advantage_to_unit(adv, args.adv_clip).to(device)
+            )
+            a_all = advantage_to_unit(adv, args.adv_clip)
+            kl_w = kl_weight(rewards.total(scores), a_all, args.kl_beta, args.kl_floor, args.kl_adaptive)[local_idx].to(device)
+            a = a_all[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
 
         # ---- training ----
@@ -405,7 +420,7 @@ def main(args: Args):
                 r_theta = implicit_reward(v, v_old, v_target, args.adaptive_logp)
                 policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
                 policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
-                kl = kl_to_base(v, v_ref, a[sl], args.kl_beta, args.reward_adaptive_kl) if v_ref is not None else torch.zeros(())
+                kl = kl_to_base(v, v_ref, kl_w[sl]) if v_ref is not None else torch.zeros(())
                 loss = policy_loss + kl
                 (loss / per_step).backward()
                 stats["policy_loss"].append(policy_loss.item())
@@ -425,7 +440,7 @@ def main(args: Args):
 
             # ALGO LOGIC: snapshot updates, indexed by the optimizer step (as in the authors' Flow-Factory code)
             diagnostics = {"old_decay": snapshot_decay(args.old_model_decay, step),
-                           "sampling_decay": snapshot_decay(args.sampling_model_decay, step)}  # fmt: skip
+                           "sampling_decay": snapshot_decay(args.sampling_model_decay, step), "kl_weight": kl_w.mean().item()}  # fmt: skip
             update_snapshot(old_snapshot, params, diagnostics["old_decay"])
             update_snapshot(sampling_snapshot, params, diagnostics["sampling_decay"])
 

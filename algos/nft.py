@@ -271,8 +271,7 @@ def main(args: Args):
             imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
                                            guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            first = next(iter(scores))
-            logger.images("eval/images", imgs[:16], [f"{p} | {s:.2f}" for p, s in zip(test_prompts[:16], scores[first][:16])], images_seen)
+            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()

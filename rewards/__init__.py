@@ -21,6 +21,7 @@ def _lazy(module: str, name: str) -> Callable:
 
 REWARDS: Dict[str, Callable] = {
     "shapes": _lazy("shapes", "shapes"),
+    "shapes_clean": _lazy("shapes", "shapes_clean"),
     "jpeg_compressibility": _lazy("jpeg", "jpeg_compressibility"),
     "jpeg_incompressibility": _lazy("jpeg", "jpeg_incompressibility"),
     "pickscore": _lazy("pickscore", "pickscore"),
@@ -69,13 +70,19 @@ class MultiReward:
         return sum(w * scores[name] for name, w in self.weights.items())
 
     def evaluate(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
-        """Eval metrics: every reward, plus a strict pass rate for `shapes` (GenEval's all requirements met) and
-        `ocr` (the word spelled exactly)."""
+        """Eval metrics: every reward, plus for `ocr` the word spelled exactly (`ocr_strict`) and, whenever a shapes
+        reward is trained, every shapes metric whatever the training reward (the hacking-sensitive ones included):
+        `shapes` (GenEval-style partial score), `shapes_strict` (all requirements met), `shapes_clean`, `shapes_exact`
+        (the asked objects and nothing else), `objects` and `objects_extra` (detected and extra objects per image),
+        `prompt_specific_gap` (score against the image's own prompt minus against another prompt of its category)."""
         out = self(images, prompts)
-        if "shapes" in self.weights:
+        if {"shapes", "shapes_clean"} & set(self.weights):
             from rewards import shapes
 
-            out["shapes_strict"] = shapes.evaluate(images, list(prompts))["strict"].to(images.device)
+            m = shapes.evaluate(images, list(prompts), [shapes.wrong_prompt(p) for p in prompts])
+            out.update({"shapes": m["score"], "shapes_strict": m["strict"], "shapes_clean": m["clean"],
+                        "shapes_exact": m["exact"], "objects": m["objects"], "objects_extra": m["extra"],
+                        "prompt_specific_gap": m["score"] - m["wrong"]})  # fmt: skip
         if "ocr" in self.weights:
             out["ocr_strict"] = (out["ocr"] == 1).float()
         return out

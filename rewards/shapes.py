@@ -6,6 +6,17 @@ the shape template (circle, square, upward triangle) it overlaps best.
 Every object phrase adds one requirement per thing it asks for: the shape exists, it exists in the asked colour, it
 appears exactly the asked number of times; a relation adds one more. The reward is the fraction of requirements met
 (partial credit, like the GenEval reward server of Flow-GRPO); `strict` is GenEval's all-or-nothing score.
+
+Two rewards, because the GenEval-style one can be hacked:
+  * `shapes`: the fraction of requirements met, faithful to GenEval, which (outside counting) does not penalise objects
+    nobody asked for. RL learns to scatter extra shapes: each prompt is then partly satisfied by luck (measured: trained
+    models drew 3.3-3.6 objects for 2.0 asked, and images showing exactly what was asked fell from 20% to 1-7%).
+  * `shapes_clean` (the scripts' default): the same requirements plus one unmet requirement per extra object, i.e.
+    met / (requirements + extra), so an image is only fully rewarded when it shows the asked objects and nothing else.
+`world.py` renders exactly the objects a caption names, so "every asked object and nothing else" is this world's
+ground truth: `exact` (1 iff every requirement is met and no other object is present, counting every coloured
+component of at least MIN_AREA pixels, also blobs that fit no shape) is logged at every eval next to the reward, with
+the extra objects per image and a wrong-prompt control (see `evaluate`).
 """
 
 import math
@@ -152,6 +163,12 @@ def detect_batch(images: torch.Tensor) -> list:
     A component counts as an object if it has at least MIN_AREA pixels and fits some template with IoU >= MIN_IOU
     (the analogue of a detector's confidence threshold: smudges and merged blobs are not objects).
     """
+    return [[o for o in objs if o["iou"] >= MIN_IOU] for objs in components(images)]
+
+
+def components(images: torch.Tensor) -> list:
+    """Every coloured component of at least MIN_AREA pixels in each image, as `detect_batch` describes them, whether
+    or not it fits a shape template ("shape" is then its best fit, "iou" says how well): what `exact` counts."""
     images = images.detach().float()
     if images.shape[-2:] != (SIZE, SIZE):
         images = F.interpolate(images, size=(SIZE, SIZE), mode="bilinear", antialias=True, align_corners=False)
@@ -173,7 +190,7 @@ def detect_batch(images: torch.Tensor) -> list:
     fit, shape = _template_iou(x - cx[comp], y - cy[comp], comp, area).max(1)
     bbox = torch.stack([reduce(col, "amin"), reduce(row, "amin"), reduce(col, "amax") + 1, reduce(row, "amax") + 1], 1)
 
-    keep = (area >= MIN_AREA) & (fit >= MIN_IOU)
+    keep = area >= MIN_AREA
     image_id, color_id = keys // (SIZE * SIZE * len(COLOR_NAMES)), keys // (SIZE * SIZE) % len(COLOR_NAMES)
     objects = [[] for _ in range(images.shape[0])]
     rows = zip(*(t[keep].tolist() for t in (image_id, color_id, shape, fit, cx, cy, area, bbox)))
@@ -233,24 +250,84 @@ def requirements_met(parsed: dict, objects: list) -> list:
     return met
 
 
+def asked_objects(parsed: dict) -> int:
+    """How many objects a parsed caption asks for ("three circles": 3, "a circle and a square": 2)."""
+    return sum(o["count"] or 1 for o in parsed["objects"])
+
+
+def wrong_prompt(prompt: str) -> str:
+    """A fixed other caption of the same category (the next one in sorted order of the grammar's captions), for the
+    wrong-prompt control: an image that satisfies its own prompt no better than another one has learned nothing
+    prompt-specific. Every category of the grammar has at least three captions."""
+    from assets.world import all_prompts
+
+    category = parse_prompt(prompt)["category"]
+    others = sorted(p for c, p, _ in all_prompts() if c == category and p != prompt)
+    return next((p for p in others if p > prompt), others[0])
+
+
 @torch.no_grad()
-def evaluate(images: torch.Tensor, prompts: list) -> dict:
-    """images [B, 3, H, W] float in [0, 1] and their captions -> {"score": fraction of requirements met [B],
-    "strict": 1.0 iff all are met [B]}, float32 on the images' device."""
+def evaluate(images: torch.Tensor, prompts: list, wrong_prompts: Optional[list] = None) -> dict:
+    """images [B, 3, H, W] float in [0, 1] and their captions -> per image, float32 [B] on the images' device:
+
+    score    fraction of requirements met (the `shapes` reward)
+    strict   1 iff all requirements are met (GenEval's pass/fail)
+    clean    met / (requirements + extra objects) (the `shapes_clean` reward)
+    exact    1 iff all requirements are met and nothing else is in the image
+    objects  every component detected (blobs that fit no shape included); extra = max(0, objects - asked)
+    wrong    (with `wrong_prompts`) the score of the same image against another caption: the prompt-specific part of
+             the score is score - wrong
+    """
     if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
         raise ValueError(f"expected images [B, 3, H, W] and B prompts, got {tuple(images.shape)} and {len(prompts)} prompts")
     parsed = [parse_prompt(p) for p in prompts]  # a bad caption fails before any detection work
-    met = [requirements_met(p, objs) for p, objs in zip(parsed, detect_batch(images))]
-    score = [sum(m) / len(m) for m in met]
-    strict = [float(all(m)) for m in met]
-    return {k: torch.tensor(v, dtype=torch.float32, device=images.device) for k, v in (("score", score), ("strict", strict))}
+    found = components(images)
+    objects = [[o for o in objs if o["iou"] >= MIN_IOU] for objs in found]
+    met = [requirements_met(p, objs) for p, objs in zip(parsed, objects)]
+    extra = [max(0, len(objs) - asked_objects(p)) for p, objs in zip(parsed, found)]
+    out = {
+        "score": [sum(m) / len(m) for m in met],
+        "strict": [float(all(m)) for m in met],
+        "clean": [sum(m) / (len(m) + e) for m, e in zip(met, extra)],
+        "exact": [float(all(m) and e == 0 and len(objs) == asked_objects(p)) for m, e, objs, p in zip(met, extra, found, parsed)],
+        "objects": [float(len(objs)) for objs in found],
+        "extra": [float(e) for e in extra],
+    }
+    if wrong_prompts is not None:
+        wrong = [requirements_met(parse_prompt(w), objs) for w, objs in zip(wrong_prompts, objects)]
+        out["wrong"] = [sum(m) / len(m) for m in wrong]
+    return {k: torch.tensor(v, dtype=torch.float32, device=images.device) for k, v in out.items()}
 
 
 def shapes(device: Optional[torch.device] = None) -> Callable:
-    """The `shapes` reward: fn(images [B, 3, H, W] float in [0, 1], prompts) -> fraction of requirements met [B].
-    Runs on the images' device, so `device` is unused."""
+    """The GenEval-style `shapes` reward: fn(images [B, 3, H, W] float in [0, 1], prompts) -> fraction of requirements
+    met [B]. Extra objects are not penalised (see the module docstring). Runs on the images' device (`device` unused)."""
 
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
         return evaluate(images, prompts)["score"]
 
+    fn.check_prompts = _check_prompts
     return fn
+
+
+def shapes_clean(device: Optional[torch.device] = None) -> Callable:
+    """The `shapes_clean` reward: met / (requirements + extra objects) [B], so that drawing objects nobody asked for
+    costs reward (see the module docstring). Runs on the images' device (`device` unused)."""
+
+    def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
+        return evaluate(images, prompts)["clean"]
+
+    fn.check_prompts = _check_prompts
+    return fn
+
+
+def _check_prompts(prompts) -> None:
+    """Every prompt must parse, checked before the model loads; the error shows the first bad prompt, shortened."""
+    from common import UserError
+
+    for p in dict.fromkeys(prompts):
+        try:
+            parse_prompt(p)
+        except ValueError:
+            short = p if len(p) <= 60 else p[:57] + "..."
+            raise UserError(f"the shapes rewards cannot score the prompt {short!r}: {_GRAMMAR}")

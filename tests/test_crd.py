@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 from algos import crd
 
 
@@ -112,14 +113,41 @@ def test_crd_loss_bce():
     assert loss.item() == pytest.approx(expected)
 
 
-def test_kl_to_base_reward_adaptive():
+def test_kl_to_base_weights_each_sample():
     g = torch.Generator().manual_seed(0)
     v, v_ref = torch.randn(4, 3, 2, 2, generator=g), torch.randn(4, 3, 2, 2, generator=g)
-    a = torch.tensor([0.0, 0.25, 0.5, 1.0])
-    per = ((v - v_ref) ** 2).mean(dim=(1, 2, 3))
-    assert crd.kl_to_base(v, v_ref, a, 0.1, False).item() == pytest.approx(0.1 * per.mean().item(), rel=1e-6)
-    w = 1e-4 + a * (0.1 - 1e-4)
-    assert crd.kl_to_base(v, v_ref, a, 0.1, True).item() == pytest.approx((w * per).mean().item(), rel=1e-6)
+    w = torch.tensor([0.0, 0.025, 0.05, 0.1])
+    per = np.mean((v.numpy() - v_ref.numpy()) ** 2, axis=(1, 2, 3))
+    assert crd.kl_to_base(v, v_ref, w).item() == pytest.approx(float(np.mean(w.numpy() * per)), rel=1e-6)
+
+
+def group_rewards(level: float, groups: int = 8, k: int = 8):
+    """Rewards of `groups` prompts x K images around a mean `level`, and their [0, 1]-mapped group advantages."""
+    g = torch.Generator().manual_seed(1)
+    r = (level + 0.1 * torch.randn(groups * k, generator=g)).clamp(0, 1)
+    return r, crd.advantage_to_unit(common.group_advantages(r, k, "global", clip=5.0), 5.0)
+
+
+@pytest.mark.parametrize("mode", ["batch", "sample"])
+def test_kl_weight_rises_with_the_reward_level(mode):
+    means = []
+    for level in (0.1, 0.5, 0.9):
+        r, a = group_rewards(level)
+        w = crd.kl_weight(r, a, 0.1, 1e-4, mode)
+        expected = 1e-4 + (r.mean() if mode == "batch" else r).clamp(0, 1) * (0.1 - 1e-4)
+        torch.testing.assert_close(w, expected.expand_as(w))
+        means.append(w.mean().item())
+    assert means[0] < 0.02 and means[2] > 0.08 and means[0] < means[1] < means[2]
+
+
+def test_kl_weight_of_the_advantage_does_not_adapt():
+    """Flow-Factory's form: the mapped group advantage has mean 0.5 at every reward level, so its mean KL weight stays
+    at about kl_beta / 2 (the audit's finding, kept as an option for parity)."""
+    means = [crd.kl_weight(*group_rewards(level), 0.1, 1e-4, "advantage").mean().item() for level in (0.1, 0.5, 0.9)]
+    assert means == pytest.approx([0.05] * 3, abs=2e-3)
+    r, a = group_rewards(0.5)
+    assert torch.equal(crd.kl_weight(r, a, 0.1, 1e-4, "none"), torch.full_like(a, 0.1))
+    assert crd.kl_weight(r, a, 0.1, 0.02, "batch").min().item() >= 0.02  # the floor is a flag
 
 
 def test_correlation_matches_numpy():

@@ -150,6 +150,86 @@ def test_wrong_images_lose_exactly_the_failed_requirements(prompt, scene, expect
     assert result["strict"].item() == float(expected == 1.0)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# exact, shapes_clean and the wrong-prompt control: what the GenEval-style score cannot see (extra objects)
+# ----------------------------------------------------------------------------------------------------------------
+def plus_sign(image: np.ndarray, colour: str, x: int, y: int) -> np.ndarray:
+    """A 20-pixel plus sign drawn into a rendered image: a coloured blob that fits no shape template."""
+    image = image.copy()
+    image[y : y + 20, x + 8 : x + 12] = world.COLORS[colour]
+    image[y + 8 : y + 12, x : x + 20] = world.COLORS[colour]
+    return image
+
+
+def test_exact_is_one_on_renders_of_the_caption(ground_truth):
+    images, captions = ground_truth
+    result = shapes.evaluate(images, captions)
+    assert result["exact"].mean() == 1.0 and result["extra"].max() == 0 and result["clean"].mean() == 1.0
+    asked = torch.tensor([float(shapes.asked_objects(shapes.parse_prompt(c))) for c in captions])
+    assert torch.equal(result["objects"], asked)
+
+
+@pytest.mark.parametrize("extra", ["shape", "blob"])
+def test_one_extra_object_breaks_exact_but_not_the_geneval_score(extra):
+    scene = [("blue", "circle", 4, 4, 16), ("red", "square", 40, 4, 16)]
+    prompt = "a blue circle and a red square"
+    clean = world.render(scene)
+    if extra == "shape":
+        dirty = world.render(scene + [("green", "triangle", 22, 40, 16)])
+    else:
+        dirty = plus_sign(clean, "yellow", 22, 40)
+        assert len(shapes.detect(dirty)) == 2  # the blob is no object for the requirements...
+    before, after = (shapes.evaluate(to_tensor(im[None]), [prompt]) for im in (clean, dirty))
+    assert before["exact"].item() == 1.0 and after["exact"].item() == 0.0  # ...but it is an extra object for exact
+    assert after["score"].item() == before["score"].item() == 1.0 and after["strict"].item() == 1.0  # GenEval: unchanged
+    assert after["objects"].item() == 3 and after["extra"].item() == 1
+    assert after["clean"].item() == pytest.approx(4 / (4 + 1))  # 4 requirements met, 1 extra object
+
+
+def test_clean_counts_each_extra_object_as_an_unmet_requirement(ground_truth):
+    """shapes_clean = met / (requirements + extra), computed here from the requirements and the detections."""
+    images, captions = ground_truth
+    rng = np.random.default_rng(0)
+    dirty = []
+    for image in images[:40]:
+        image = (image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        for _ in range(rng.integers(0, 3)):
+            image = plus_sign(image, str(rng.choice(list(world.COLORS))), int(rng.integers(0, 44)), int(rng.integers(0, 44)))
+        dirty.append(image)
+    dirty, prompts = to_tensor(np.stack(dirty)), captions[:40]
+    result = shapes.evaluate(dirty, prompts)
+    for i, prompt in enumerate(prompts):
+        parsed = shapes.parse_prompt(prompt)
+        met = shapes.requirements_met(parsed, shapes.detect_batch(dirty[i : i + 1])[0])
+        extra = max(0, len(shapes.components(dirty[i : i + 1])[0]) - shapes.asked_objects(parsed))
+        assert result["clean"][i].item() == pytest.approx(sum(met) / (len(met) + extra))
+        assert result["exact"][i].item() == float(all(met) and extra == 0 and result["objects"][i] == shapes.asked_objects(parsed))
+    assert result["extra"].sum() > 10  # the test really added extra objects
+
+
+def test_wrong_prompt_control_on_renders(ground_truth):
+    images, captions = ground_truth
+    wrong = [shapes.wrong_prompt(c) for c in captions]
+    assert all(w != c and CATEGORY[w] == CATEGORY[c] for w, c in zip(wrong, captions))
+    assert shapes.wrong_prompt("three red circles") != "three red circles"  # captions outside the grammar work too
+    result = shapes.evaluate(images, captions, wrong)
+    assert result["score"].mean() == 1.0 and 0.2 < result["wrong"].mean() < 0.7  # a correct image fits another prompt a bit
+    # independent check of one: "a circle" drawn, scored against "a square" -> 0
+    circle = render(("red", "circle", 20, 20, 16))
+    assert shapes.evaluate(circle, ["a circle"], ["a square"])["wrong"].item() == 0.0
+
+
+def test_eval_logs_the_hacking_metrics_for_either_shapes_reward(ground_truth):
+    images, captions = ground_truth
+    for spec in ("shapes", "shapes_clean"):
+        out = load_rewards(spec, "cpu").evaluate(images[:12], captions[:12])
+        assert {"shapes", "shapes_strict", "shapes_clean", "shapes_exact", "objects", "objects_extra",
+                "prompt_specific_gap"} <= set(out)  # fmt: skip
+        assert out["shapes_exact"].mean() == 1.0 and out["prompt_specific_gap"].min() > 0
+    with pytest.raises(UserError, match="cannot score the prompt 'a dog'"):
+        load_rewards("shapes_clean", "cpu", ["a circle", "a dog"])
+
+
 def test_noise_and_blank_images_score_zero(ground_truth):
     captions = ground_truth[1][:64]
     noise = torch.rand(len(captions), 3, 64, 64, generator=torch.Generator().manual_seed(0))
