@@ -4,8 +4,9 @@
     python benchmark/base_model.py --grid assets/tiny-shapes-samples.png
     python benchmark/base_model.py --reward ocr --model assets/tiny-text --prompts assets/text_test.jsonl
 
-Prints a markdown table of the mean score and the strict pass rate per category: for `shapes` GenEval's all
-requirements met, for `ocr` the word spelled exactly (score 1).
+Prints a markdown table per category: the mean score and the strict pass rate (for `shapes` GenEval's all requirements
+met, for `ocr` the word spelled exactly), and for `shapes` also exact (every asked object and nothing else), extra
+objects per image and the prompt-specific gap (score minus the score against another prompt of the same category).
 """
 
 import argparse
@@ -36,19 +37,26 @@ def ocr_evaluate():
     return evaluate
 
 
-def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes.evaluate):
+def shapes_evaluate(images, prompts):
+    """The shapes metrics every training script's eval logs (eval/shapes, shapes_strict, shapes_exact, ...)."""
+    m = shapes.evaluate(images, prompts, [shapes.wrong_prompt(p) for p in prompts])
+    return {"score": m["score"], "strict": m["strict"], "exact": m["exact"], "extra objects": m["extra"],
+            "prompt-specific gap": m["score"] - m["wrong"]}  # fmt: skip
+
+
+def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes_evaluate):
     encoder = common.PromptEncoder(pipe)
     prompts = [r["prompt"] for r in rows]
-    per_cat = defaultdict(lambda: {"score": [], "strict": []})
+    per_cat = defaultdict(lambda: defaultdict(list))
     images = []
     for seed in seeds:
         imgs, _ = common.evaluate(pipe, pipe.transformer, encoder, prompts, lambda i, p: {}, num_steps=num_steps,
                                   guidance_scale=guidance_scale, seed=seed, repeats=1)  # fmt: skip
         result = scorer(imgs, prompts)
-        for r, s, st in zip(rows, result["score"], result["strict"]):
+        for i, r in enumerate(rows):
             for cat in (r.get("category", "all"), "overall"):
-                per_cat[cat]["score"].append(s.item())
-                per_cat[cat]["strict"].append(st.item())
+                for k, v in result.items():
+                    per_cat[cat][k].append(v[i].item())
         images.append(imgs)
     return per_cat, images[0]
 
@@ -80,13 +88,14 @@ def main():
     torch.set_num_threads(2)
     pipe = common.load_pipeline(args.model, torch.device("cpu"))
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    scorer = ocr_evaluate() if args.reward == "ocr" else shapes.evaluate
+    scorer = ocr_evaluate() if args.reward == "ocr" else shapes_evaluate
     for g in args.guidance_scales:
         per_cat, images = score_model(pipe, rows, g, args.num_steps, args.seeds, scorer)
         print(f"\nCFG {g}, {args.num_steps} ODE steps, seeds {args.seeds}, {len(rows)} prompts\n")
-        print(f"| category | prompts | mean {args.reward} score | strict pass rate |\n|---|---|---|---|")
+        keys = list(per_cat["overall"])
+        print(f"| category | prompts | {' | '.join(keys)} |\n|---|---|{'---|' * len(keys)}")
         for cat, v in sorted(per_cat.items(), key=lambda kv: kv[0] == "overall"):
-            print(f"| {cat} | {len(v['score']) // len(args.seeds)} | {np.mean(v['score']):.3f} | {np.mean(v['strict']):.3f} |")
+            print(f"| {cat} | {len(v['score']) // len(args.seeds)} | {' | '.join(f'{np.mean(v[k]):.3f}' for k in keys)} |")
         if args.grid and g == args.guidance_scales[0]:
             save_grid(images[:36], [r["prompt"] for r in rows][:36], args.grid)
             print(f"\ngrid saved to {args.grid}")

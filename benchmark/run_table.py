@@ -64,7 +64,9 @@ def read_run(run_dir: Path, reward: str):
     out = {
         "images": np.array([s for s, _, _ in ev]), "wall": np.array([w - t0 for _, w, _ in ev]),
         "score": np.array([v for _, _, v in ev]),
-        "strict": np.array([v for _, _, v in series(f"eval/{reward}_strict")]),
+        "strict": np.array([v for _, _, v in series(f"eval/{reward}_strict" if f"eval/{reward}_strict" in tags else "eval/shapes_strict")]),
+        # the hacking-sensitive metrics of the shapes rewards (absent for other rewards)
+        **{k: np.array([v for _, _, v in series(f"eval/{k}")]) for k in ("shapes", "shapes_exact", "objects_extra", "prompt_specific_gap")},
         "time": {k: float(np.mean([v for _, _, v in series(f"time/{k}")] or [np.nan])) for k in ("sampling", "reward", "training")},
     }  # fmt: skip
     log = run_dir.parents[1] / f"{run_dir.name.split('__')[1]}__{run_dir.name.split('__')[2]}.log"
@@ -95,25 +97,54 @@ def fmt_reach(values, digits=0):
     return f"{fmt(hit, digits)} ({len(hit)}/{len(values)})"
 
 
+def last(r, key):
+    return r[key][-1] if len(r[key]) else np.nan
+
+
+def gain(runs, key):
+    """Mean gain of the final eval over the base (epoch 0, the same noise for every seed) ± its standard error."""
+    d = np.array([last(r, key) - r[key][0] if len(r[key]) else np.nan for r in runs])
+    if np.isnan(d).all():
+        return "n/a"
+    se = np.nanstd(d, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.nan
+    return f"{np.nanmean(d):+.3f} ± {se:.3f}" if len(d) > 1 else f"{d[0]:+.3f}"
+
+
 def table(results, args, out):
     model = Path(args.extra[args.extra.index("--model") + 1]).name if "--model" in args.extra else "tiny-shapes"
+    hacking = any(len(r["shapes_exact"]) for runs in results.values() for r in runs)
     lines = [f"Reward `{args.reward}`, {model}, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
              f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
-             f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}.", "",
-             "| algorithm | seeds | base | final | final strict | images to reach (seeds) | wall-clock to reach, s (seeds) | "
+             f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}."
+             + (" exact = every asked object and nothing else; extra = objects not asked for, per image; gap = score "
+                "against the image's own prompt minus against another prompt of its category; gains are final - base "
+                "± standard error over seeds." if hacking else ""), "",
+             "| algorithm | seeds | base | final | final strict | "
+             + ("shapes (GenEval-style) | final exact | exact gain | extra objects/img | prompt-specific gap | " if hacking else "")
+             + "images to reach (seeds) | wall-clock to reach, s (seeds) | "
              "s/epoch sampling / reward / training | training / sampling | peak RSS (MB) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|" + ("---|---|---|---|---|" if hacking else "") + "---|---|---|---|---|"]  # fmt: skip
     for algo, runs in results.items():
         reach = [first_reach(r["images"], r["wall"], r["score"], args.threshold) for r in runs]
         t = {k: np.mean([r["time"][k] for r in runs]) for k in ("sampling", "reward", "training")}
-        strict = [r["strict"][-1] if len(r["strict"]) else np.nan for r in runs]
+        extra = ""
+        if hacking:
+            extra = (f"{fmt([last(r, 'shapes') for r in runs])} | {fmt([last(r, 'shapes_exact') for r in runs])} | "
+                     f"{gain(runs, 'shapes_exact')} | {fmt([last(r, 'objects_extra') for r in runs], 2)} | "
+                     f"{fmt([last(r, 'prompt_specific_gap') for r in runs])} | ")  # fmt: skip
         lines.append(
             f"| [{algo}](../../../docs/{algo}.md) | {len(runs)} | {fmt([r['score'][0] for r in runs])} | "
-            f"{fmt([r['score'][-1] for r in runs])} | {fmt(strict)} | {fmt_reach([x for x, _ in reach])} | "
+            f"{fmt([r['score'][-1] for r in runs])} | {fmt([last(r, 'strict') for r in runs])} | {extra}"
+            f"{fmt_reach([x for x, _ in reach])} | "
             f"{fmt_reach([w for _, w in reach])} | {t['sampling']:.1f} / {t['reward']:.1f} / {t['training']:.1f} | "
             f"{t['training'] / t['sampling']:.2f} | "
             f"{fmt([r['rss'] for r in runs], 0)} |"
         )
+    if hacking:
+        base = next(iter(results.values()))[0]
+        lines += ["", f"Base model on these prompts and noises: shapes {base['shapes'][0]:.3f}, strict {base['strict'][0]:.3f}, "
+                      f"exact {base['shapes_exact'][0]:.3f}, extra objects/img {base['objects_extra'][0]:.2f}, "
+                      f"prompt-specific gap {base['prompt_specific_gap'][0]:.3f}."]  # fmt: skip
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -124,19 +155,23 @@ def plots(results, args, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [("score", f"held-out {args.reward} (trained on)")]
+    if any(len(r["shapes_exact"]) for runs in results.values() for r in runs):
+        panels += [("shapes_exact", "held-out exact (not trained on)"), ("objects_extra", "extra objects per image")]
     for x_key, x_label, name in (("images", "images sampled", "score_vs_images.png"), ("wall", "wall-clock (s)", "score_vs_time.png")):
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-        for algo, runs in results.items():
-            n = min(len(r["score"]) for r in runs)
-            x = np.mean([r[x_key][:n] for r in runs], axis=0)
-            y = np.array([r["score"][:n] for r in runs])
-            ax.plot(x, y.mean(0), label=algo)
-            if len(runs) > 1:
-                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
-        ax.set_xlabel(x_label)
-        ax.set_ylabel(f"held-out {args.reward}")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), dpi=110, squeeze=False)
+        for ax, (key, label) in zip(axes[0], panels):
+            for algo, runs in results.items():
+                n = min(len(r[key]) for r in runs)
+                x = np.mean([r[x_key][:n] for r in runs], axis=0)
+                y = np.array([r[key][:n] for r in runs])
+                ax.plot(x, y.mean(0), label=algo)
+                if len(runs) > 1:
+                    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend()
         fig.tight_layout()
         fig.savefig(out / name)
         plt.close(fig)

@@ -11,8 +11,10 @@ Two rewards, because the GenEval-style one can be hacked:
   * `shapes`: the fraction of requirements met, faithful to GenEval, which (outside counting) does not penalise objects
     nobody asked for. RL learns to scatter extra shapes: each prompt is then partly satisfied by luck (measured: trained
     models drew 3.3-3.6 objects for 2.0 asked, and images showing exactly what was asked fell from 20% to 1-7%).
-  * `shapes_clean` (the scripts' default): the same requirements plus one unmet requirement per extra object, i.e.
-    met / (requirements + extra), so an image is only fully rewarded when it shows the asked objects and nothing else.
+  * `shapes_clean` (the scripts' default): that fraction times the share of the detected objects that were asked for,
+    (met / requirements) x asked / (asked + extra), a recall x precision score: an image is only fully rewarded when it
+    shows the asked objects and nothing else, and hedging (drawing a third shape to catch a missed requirement) costs
+    more than it gains.
 `world.py` renders exactly the objects a caption names, so "every asked object and nothing else" is this world's
 ground truth: `exact` (1 iff every requirement is met and no other object is present, counting every coloured
 component of at least MIN_AREA pixels, also blobs that fit no shape) is logged at every eval next to the reward, with
@@ -272,7 +274,7 @@ def evaluate(images: torch.Tensor, prompts: list, wrong_prompts: Optional[list] 
 
     score    fraction of requirements met (the `shapes` reward)
     strict   1 iff all requirements are met (GenEval's pass/fail)
-    clean    met / (requirements + extra objects) (the `shapes_clean` reward)
+    clean    score x asked / (asked + extra) (the `shapes_clean` reward)
     exact    1 iff all requirements are met and nothing else is in the image
     objects  every component detected (blobs that fit no shape included); extra = max(0, objects - asked)
     wrong    (with `wrong_prompts`) the score of the same image against another caption: the prompt-specific part of
@@ -288,7 +290,7 @@ def evaluate(images: torch.Tensor, prompts: list, wrong_prompts: Optional[list] 
     out = {
         "score": [sum(m) / len(m) for m in met],
         "strict": [float(all(m)) for m in met],
-        "clean": [sum(m) / (len(m) + e) for m, e in zip(met, extra)],
+        "clean": [sum(m) / len(m) * asked_objects(p) / (asked_objects(p) + e) for m, e, p in zip(met, extra, parsed)],
         "exact": [float(all(m) and e == 0 and len(objs) == asked_objects(p)) for m, e, objs, p in zip(met, extra, found, parsed)],
         "objects": [float(len(objs)) for objs in found],
         "extra": [float(e) for e in extra],
@@ -311,8 +313,8 @@ def shapes(device: Optional[torch.device] = None) -> Callable:
 
 
 def shapes_clean(device: Optional[torch.device] = None) -> Callable:
-    """The `shapes_clean` reward: met / (requirements + extra objects) [B], so that drawing objects nobody asked for
-    costs reward (see the module docstring). Runs on the images' device (`device` unused)."""
+    """The `shapes_clean` reward: (met / requirements) x asked / (asked + extra objects) [B], so that drawing objects
+    nobody asked for costs reward (see the module docstring). Runs on the images' device (`device` unused)."""
 
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
         return evaluate(images, prompts)["clean"]

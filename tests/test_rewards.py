@@ -183,11 +183,12 @@ def test_one_extra_object_breaks_exact_but_not_the_geneval_score(extra):
     assert before["exact"].item() == 1.0 and after["exact"].item() == 0.0  # ...but it is an extra object for exact
     assert after["score"].item() == before["score"].item() == 1.0 and after["strict"].item() == 1.0  # GenEval: unchanged
     assert after["objects"].item() == 3 and after["extra"].item() == 1
-    assert after["clean"].item() == pytest.approx(4 / (4 + 1))  # 4 requirements met, 1 extra object
+    assert after["clean"].item() == pytest.approx(1.0 * 2 / 3)  # every requirement met, 2 of 3 objects asked for
 
 
 def test_clean_counts_each_extra_object_as_an_unmet_requirement(ground_truth):
-    """shapes_clean = met / (requirements + extra), computed here from the requirements and the detections."""
+    """shapes_clean = (met / requirements) x asked / (asked + extra), computed here from the requirements and the
+    detections."""
     images, captions = ground_truth
     rng = np.random.default_rng(0)
     dirty = []
@@ -202,7 +203,8 @@ def test_clean_counts_each_extra_object_as_an_unmet_requirement(ground_truth):
         parsed = shapes.parse_prompt(prompt)
         met = shapes.requirements_met(parsed, shapes.detect_batch(dirty[i : i + 1])[0])
         extra = max(0, len(shapes.components(dirty[i : i + 1])[0]) - shapes.asked_objects(parsed))
-        assert result["clean"][i].item() == pytest.approx(sum(met) / (len(met) + extra))
+        asked = shapes.asked_objects(parsed)
+        assert result["clean"][i].item() == pytest.approx(sum(met) / len(met) * asked / (asked + extra))
         assert result["exact"][i].item() == float(all(met) and extra == 0 and result["objects"][i] == shapes.asked_objects(parsed))
     assert result["extra"].sum() > 10  # the test really added extra objects
 
