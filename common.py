@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -43,6 +44,7 @@ class UserError(ValueError):
 def run_main(main, args):
     """Run `main(args)`, turning `UserError` into a one-line message and exit code 2."""
     try:
+        check_integrations(args)
         main(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -567,15 +569,18 @@ def sample(
 
 @torch.no_grad()
 def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32,
-             use_autocast=False, repeats: int = 2):  # fmt: skip
+             use_autocast=False, repeats: int = 2, progress: bool = True):  # fmt: skip
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
-    scored by `reward_fn`.
+    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates).
 
     Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
     the same noise in every run and every algorithm, so eval curves are comparable.
     """
+    from tqdm import tqdm
+
     prompts = list(prompts) * repeats
     images, scores = [], {}
+    bar = tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress)
     for k in range(0, len(prompts), batch):
         chunk = prompts[k : k + batch]
         embeds, pooled = encoder(chunk)
@@ -587,6 +592,8 @@ def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guida
         for name, value in reward_fn(imgs, chunk).items():
             scores.setdefault(name, []).append(value.float().cpu())
         images.append(imgs.cpu())
+        bar.update(len(chunk))
+    bar.close()
     return torch.cat(images), {k: torch.cat(v) for k, v in scores.items()}
 
 
@@ -721,11 +728,16 @@ def git_commit() -> str:
 
 
 class Logger:
-    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0."""
+    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0.
+
+    With `args.track` the run is mirrored to wandb (CleanRL's `--track`): `wandb.init(sync_tensorboard=True)` before
+    the SummaryWriter exists patches it, so every scalar and image written here also goes to wandb. The newest value
+    of every scalar and the newest grid of every image tag are kept (`last_scalars`, `last_images`) for the model card."""
 
     def __init__(self, run_dir: Path, args, enabled: bool = True):
         self.enabled = enabled
-        self.writer = None
+        self.writer = self.wandb = None
+        self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([3, H, W] grid, captions, step)
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -734,6 +746,11 @@ class Logger:
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         config["git_commit"] = git_commit()
         (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        if getattr(args, "track", False):
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name,
+                                    config=config, sync_tensorboard=True)  # fmt: skip
         self.writer = SummaryWriter(str(run_dir))
         table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -742,6 +759,7 @@ class Logger:
         if self.enabled:
             for k, v in values.items():
                 self.writer.add_scalar(k, float(v), step)
+                self.last_scalars[k] = (float(v), step)
 
     def images(self, tag: str, images: torch.Tensor, captions: Sequence[str], step: int, ncol: int = 8):
         """A grid of images plus a markdown table of `prompt | reward` captions in the same order."""
@@ -757,10 +775,144 @@ class Logger:
             grid[:, r * (h + 2) + 1 : r * (h + 2) + 1 + h, k * (w + 2) + 1 : k * (w + 2) + 1 + w] = images[i].cpu()
         self.writer.add_image(tag, grid, step)
         self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
+        self.last_images[tag] = (grid, list(captions), step)
 
     def close(self):
         if self.enabled:
             self.writer.close()
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.finish()
+                wandb.tensorboard.unpatch()  # finish() leaves SummaryWriter patched: a later run in this process would fail
+
+
+def check_integrations(args):
+    """The optional integrations' flags, checked before anything loads: `--track` needs wandb installed,
+    `--push-to-hub` a valid repo id."""
+    if getattr(args, "track", False):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("--track needs wandb: pip install -r requirements-track.txt")
+    repo_id = getattr(args, "push_to_hub", None)
+    if repo_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as e:
+            raise UserError(f"--push-to-hub {repo_id!r} is not a hub repo id (user/name): {str(e).splitlines()[0]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trained model out: a diffusers LoRA folder with a model card
+# ----------------------------------------------------------------------------------------------------------------
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
+CARD_ARGS = ("model", "reward", "seed", "num_epochs", "num_prompts", "group_size", "learning_rate", "lora_rank", "lora_alpha",
+             "num_steps", "guidance_scale", "dynamics", "eta", "resolution", "base_dtype")  # fmt: skip
+
+
+def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: int, logger: Optional[Logger] = None, *,
+                samples=None, weights: Optional[Sequence[torch.Tensor]] = None, weights_name: str = "the trained policy"):  # fmt: skip
+    """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
+    pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
+    then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
+
+    The adapter metadata (peft's LoraConfig: r, lora_alpha, targets) goes into the safetensors header; without it
+    diffusers assumes lora_alpha = r and would apply our alpha = 2r LoRA at half strength.
+    `weights`: other values for the trainable LoRA parameters (an EMA), in `add_lora`'s order, exported instead of the
+    live ones, which are left untouched; `weights_name` says which in the card. `logger`: its newest eval/* scalars
+    go into the card's table and its newest "eval/images" grid becomes samples.png, unless `samples` (a [3, H, W] image
+    in [0, 1]) is given. Call it on one rank only."""
+    from peft import get_peft_model_state_dict
+
+    out_dir = Path(out_dir)
+    tmp, old = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}"), out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
+        state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+    type(pipe).save_lora_weights(tmp, transformer_lora_layers=state,
+                                 transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())  # fmt: skip
+    if samples is None and logger is not None and "eval/images" in logger.last_images:
+        samples = logger.last_images["eval/images"][0]
+    if samples is not None:
+        from PIL import Image
+
+        array = (samples.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+        Image.fromarray(array).save(tmp / "samples.png")
+    evals = {k: v for k, v in (logger.last_scalars.items() if logger is not None else ()) if k.startswith("eval/")}
+    (tmp / "README.md").write_text(model_card(pipe, args, algo_doc, epoch, evals, weights_name, samples is not None))
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
+    """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
+    load = f"{pipe_class}.from_pretrained({model!r}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
+    load += ", dtype=torch.bfloat16).to(\"cuda\")" if gpu else ")"
+    return ("import torch\n" if gpu else "") + (
+        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({lora_dir!r})\n"
+        f"image = pipe({call}).images[0]\nimage.save(\"sample.png\")\n"
+    )
+
+
+def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
+    """The model card of an exported LoRA: what it is, how well it scores, how it was made, how to load it."""
+    config = asdict(args) if is_dataclass(args) else dict(vars(args))
+    algo = (algo_doc or "").strip().splitlines()[0] if (algo_doc or "").strip() else config.get("exp_name", "?")
+    pipe_class, model = type(pipe).__name__, str(config.get("model", ""))
+    flux = is_flux(pipe.transformer)
+    call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
+    no_t5 = not flux and getattr(pipe, "text_encoder_3", None) is None
+    if no_t5:  # the zero padding that stands in for T5 must be as long as in training (common.PromptEncoder)
+        call += ", max_sequence_length=1"
+    if config.get("resolution"):
+        call += f", height={config['resolution']}, width={config['resolution']}"
+    front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
+    hub = not Path(model).expanduser().exists() and model.count("/") == 1
+    if hub:
+        front.append(f"base_model: {model}")
+    lines = front + ["---", "", f"# {config.get('run_name') or 'cleanflow LoRA'}", "",
+                     f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.", "",
+                     "| | |", "|-|-|", f"| base model | `{model}` |", f"| algorithm | {algo} |",
+                     f"| reward | `{config.get('reward')}` |",
+                     f"| weights | {weights_name}, after epoch {epoch} |",
+                     f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {', '.join(config.get('lora_targets', ()))} |",
+                     "", "## Use it", "", "```python", lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5).rstrip(), "```", ""]  # fmt: skip
+    steps = sorted({step for _, step in evals.values()})
+    lines += ["## Evaluation", ""]
+    if evals:
+        lines += [f"Held-out prompts (`{config.get('test_prompts')}`), ODE sampler, {config.get('num_steps')} steps, "
+                  f"CFG {config.get('guidance_scale')}, after {max(steps)} training images:", "",
+                  "| metric | value |", "|-|-|"] + [f"| {k} | {v:.4f} |" for k, (v, _) in sorted(evals.items())]  # fmt: skip
+    else:
+        lines.append("No evaluation logged yet.")
+    if has_samples:
+        lines += ["", "![samples](samples.png)"]
+    lines += ["", "## Training", "", "| argument | value |", "|-|-|"]
+    lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
+    lines += ["", "Every argument: `args.json` in the run folder.", "",
+              f"Command: `{launcher} {shlex.join(sys.argv)}`", "", f"Git commit: `{git_commit()}`", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def push_to_hub(folder: Path, repo_id: str):
+    """Upload an exported LoRA folder to a hub model repo (created if missing; needs `hf auth login` or HF_TOKEN)."""
+    from huggingface_hub import create_repo, upload_folder
+
+    create_repo(repo_id, repo_type="model", exist_ok=True)
+    url = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=f"cleanflow: {folder.parent.name}")
+    print(f"pushed {folder} to {url}")
+    return url
 
 
 def save_checkpoint(path: Path, state: dict, keep: int = 0):
