@@ -79,6 +79,22 @@ def setup_distributed(device: Optional[str] = None) -> Dist:
     return Dist(rank, world_size, local_rank, dev)
 
 
+def busy_cpu_hint() -> Optional[str]:
+    """A one-line hint when torch's CPU threads (default: one per core) must share the cores with other work.
+
+    OpenMP threads that wait for a descheduled sibling make every op slow: on 2 busy cores (load 5.7) a tiny-shapes
+    training step took 1.1-5.2 s with 2 threads and 0.24-0.29 s with 1. Only a hint, not a change of the thread
+    count: results must not depend on the machine's load. None when OMP_NUM_THREADS is set (torchrun sets it)."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+        return None
+    threads, load = torch.get_num_threads(), os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > 1 and load + threads > cores + 0.5:
+        return (f"note: the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads, which can be "
+                f"several times slower than one here; set OMP_NUM_THREADS (e.g. OMP_NUM_THREADS=1) to choose")  # fmt: skip
+    return None
+
+
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over ranks (identity when not distributed)."""
     if dist.is_initialized():
@@ -746,6 +762,9 @@ class Logger:
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         config["git_commit"] = git_commit()
         (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cpu" and (hint := busy_cpu_hint()):  # once every check passed, as training starts
+            print(hint, file=sys.stderr)
         if getattr(args, "track", False):
             import wandb
 
@@ -855,10 +874,10 @@ def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: in
 
 def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
     """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
-    load = f"{pipe_class}.from_pretrained({model!r}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
+    load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
     load += ", dtype=torch.bfloat16).to(\"cuda\")" if gpu else ")"
     return ("import torch\n" if gpu else "") + (
-        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({lora_dir!r})\n"
+        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({json.dumps(lora_dir)})\n"
         f"image = pipe({call}).images[0]\nimage.save(\"sample.png\")\n"
     )
 

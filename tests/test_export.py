@@ -256,3 +256,34 @@ def test_track_mirrors_the_tensorboard_scalars_to_an_offline_wandb_run(trained):
     assert any(r.get("eval/images/_type") == "images/separated" for r in rows)  # the eval grid too
     config = json.loads((trained.run_dir / "args.json").read_text())
     assert config["track"] is True
+
+
+@pytest.mark.parametrize("omp,threads,load,hint", [(None, 2, 2.9, True), (None, 2, 0.3, False), ("1", 2, 2.9, False), (None, 1, 5.0, False)])
+def test_busy_cpu_hint(monkeypatch, omp, threads, load, hint):
+    """First-run help: a note when torch's threads share 2 cores with other work (load 2.9 = ~3 busy processes), none
+    on an idle machine, with OMP_NUM_THREADS set, or at one thread."""
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    note = common.busy_cpu_hint()
+    assert (note is not None) == hint
+    if hint:
+        assert "\n" not in note and "load 2.9 on 2 cores" in note and "OMP_NUM_THREADS" in note
+
+
+def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
+    args = SimpleNamespace(model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", num_steps=40, guidance_scale=4.5,
+                           resolution=512, exp_name="crd", lora_targets=("to_q",), lora_rank=32, lora_alpha=64.0)  # fmt: skip
+    evals = {"eval/pickscore": (0.91, 640), "eval/shapes_exact": (0.25, 640), "eval/ocr/colours": (0.5, 640)}
+    card = common.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
+    assert card.startswith("---\nlibrary_name: diffusers\n") and "base_model: stabilityai/stable-diffusion-3.5-medium" in card
+    for k, (v, _) in evals.items():
+        assert f"| {k} | {v:.4f} |" in card
+    assert "after 640 training images" in card and "the eval EMA (decay 0.9), after epoch 7" in card and "samples.png" not in card
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    compile(snippet, "card", "exec")
+    assert 'dtype=torch.bfloat16).to("cuda")' in snippet and "height=512, width=512" in snippet
