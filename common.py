@@ -885,7 +885,8 @@ def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: boo
 def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
     """The model card of an exported LoRA: what it is, how well it scores, how it was made, how to load it."""
     config = asdict(args) if is_dataclass(args) else dict(vars(args))
-    algo = (algo_doc or "").strip().splitlines()[0] if (algo_doc or "").strip() else config.get("exp_name", "?")
+    doc = (algo_doc or "").strip()
+    algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
     pipe_class, model = type(pipe).__name__, str(config.get("model", ""))
     flux = is_flux(pipe.transformer)
     call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
@@ -924,14 +925,22 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     return "\n".join(lines)
 
 
-def push_to_hub(folder: Path, repo_id: str):
-    """Upload an exported LoRA folder to a hub model repo (created if missing; needs `hf auth login` or HF_TOKEN)."""
+def push_to_hub(folder: Path, repo_id: str) -> Optional[str]:
+    """Upload an exported LoRA folder to a hub model repo (created if missing; needs `hf auth login` or HF_TOKEN).
+
+    A failed upload (no token, no network) is one warning line with the command to retry, not an exception: it comes
+    after training, and the run must still close its logs; the folder stays on disk."""
     from huggingface_hub import create_repo, upload_folder
 
-    create_repo(repo_id, repo_type="model", exist_ok=True)
-    url = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=f"cleanflow: {folder.parent.name}")
+    try:
+        create_repo(repo_id, repo_type="model", exist_ok=True)
+        url = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=f"cleanflow: {folder.parent.name}")
+    except Exception as e:  # noqa: BLE001 - any hub/network failure: the run itself succeeded
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"warning: --push-to-hub {repo_id} failed ({first}); retry with: hf upload {repo_id} {folder} .", file=sys.stderr)
+        return None
     print(f"pushed {folder} to {url}")
-    return url
+    return str(url)
 
 
 def save_checkpoint(path: Path, state: dict, keep: int = 0):

@@ -287,3 +287,16 @@ def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     compile(snippet, "card", "exec")
     assert 'dtype=torch.bfloat16).to("cuda")' in snippet and "height=512, width=512" in snippet
+
+
+def test_a_failed_push_is_one_warning_line(trained, monkeypatch, capsys):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", offline)
+    assert common.push_to_hub(trained.lora, "someone/tiny-lora") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --push-to-hub someone/tiny-lora failed (no network)")
+    assert f"hf upload someone/tiny-lora {trained.lora} ." in err[0]
