@@ -833,7 +833,7 @@ CARD_ARGS = ("model", "reward", "seed", "num_epochs", "num_prompts", "group_size
 
 
 def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: int, logger: Optional[Logger] = None, *,
-                samples=None, weights: Optional[Sequence[torch.Tensor]] = None, weights_name: str = "the trained policy"):  # fmt: skip
+                samples=None, weights: Optional[Sequence[torch.Tensor]] = None, weights_name: str = "the trained policy"):
     """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
     pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
     then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
@@ -855,6 +855,9 @@ def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: in
         state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
     type(pipe).save_lora_weights(tmp, transformer_lora_layers=state,
                                  transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())  # fmt: skip
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
     if samples is None and logger is not None and "eval/images" in logger.last_images:
         samples = logger.last_images["eval/images"][0]
     if samples is not None:
@@ -899,13 +902,15 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
+    targets = ", ".join(config.get("lora_targets", ()))
+    snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
     lines = front + ["---", "", f"# {config.get('run_name') or 'cleanflow LoRA'}", "",
                      f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.", "",
                      "| | |", "|-|-|", f"| base model | `{model}` |", f"| algorithm | {algo} |",
                      f"| reward | `{config.get('reward')}` |",
                      f"| weights | {weights_name}, after epoch {epoch} |",
-                     f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {', '.join(config.get('lora_targets', ()))} |",
-                     "", "## Use it", "", "```python", lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5).rstrip(), "```", ""]  # fmt: skip
+                     f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |", "",
+                     "## Use it", "", "```python", snippet.rstrip(), "```", ""]  # fmt: skip
     steps = sorted({step for _, step in evals.values()})
     lines += ["## Evaluation", ""]
     if evals:
@@ -934,10 +939,10 @@ def push_to_hub(folder: Path, repo_id: str) -> Optional[str]:
 
     try:
         create_repo(repo_id, repo_type="model", exist_ok=True)
-        url = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=f"cleanflow: {folder.parent.name}")
+        url = upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"cleanflow: {folder.parent.name}")
     except Exception as e:  # noqa: BLE001 - any hub/network failure: the run itself succeeded
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"warning: --push-to-hub {repo_id} failed ({first}); retry with: hf upload {repo_id} {folder} .", file=sys.stderr)
+        print(f"warning: --push-to-hub {repo_id} failed ({first}); retry: hf upload {repo_id} {folder} .", file=sys.stderr)
         return None
     print(f"pushed {folder} to {url}")
     return str(url)

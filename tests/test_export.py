@@ -32,7 +32,8 @@ def load_algo(name: str):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One epoch of NFT on tiny-shapes (groups of 4: a group of 2 equal rewards gives NFT a zero gradient), in-process, with --track (offline wandb) and --push-to-hub (upload faked).
+    """One epoch of NFT on tiny-shapes, in-process, with --track (offline wandb) and --push-to-hub (upload faked); groups
+    of 4, since a group of 2 equal rewards gives NFT a zero gradient and the LoRA would not move.
     The export is wrapped to keep the training pipeline, whose transformer holds the trained LoRA at the end."""
     import huggingface_hub
 
@@ -66,7 +67,8 @@ def trained(tmp_path_factory):
             for s, h in handlers.items():
                 signal.signal(s, h)
     (run_dir,) = (tmp / "runs").iterdir()
-    return SimpleNamespace(run_dir=run_dir, lora=run_dir / "lora", pipe=pipes[-1], exports=len(pipes), uploads=uploads, tmp=tmp)
+    return SimpleNamespace(run_dir=run_dir, lora=run_dir / "lora", pipe=pipes[-1], exports=len(pipes), uploads=uploads,
+                           tmp=tmp)  # fmt: skip
 
 
 def stock_sd3(lora_dir=None):
@@ -87,8 +89,9 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
     assert any(p.abs().max() > 0 for p in lora_a), "the run did not update the LoRA (B starts at zero)"
     steps, noise = 4, torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
     ours = common.decode(trained.pipe, ode_sample(trained.pipe, PROMPTS, noise, steps, 1.0)[0].latents)
-    call = dict(prompt=PROMPTS, num_inference_steps=steps, guidance_scale=1.0, sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(),
-                max_sequence_length=1, output_type="pt")  # fmt: skip
+    sigmas = np.linspace(1.0, 1.0 / steps, steps).tolist()  # our schedule (common.sigma_schedule) before the shift
+    call = dict(prompt=PROMPTS, num_inference_steps=steps, guidance_scale=1.0, sigmas=sigmas, max_sequence_length=1,
+                output_type="pt")  # fmt: skip
     loaded = stock_sd3(trained.lora)(**call, latents=noise.clone()).images
     base = stock_sd3()(**call, latents=noise.clone()).images
     (tmp_path / "no-metadata").mkdir()
@@ -112,12 +115,13 @@ def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(tr
 def test_model_card_and_folder(trained):
     assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", common.LORA_WEIGHTS, "samples.png"]
     assert not list(trained.run_dir.glob(".lora*"))  # no temp or old folder left by the atomic swap
+    assert (trained.lora / common.LORA_WEIGHTS).stat().st_mode & 0o044 == (trained.run_dir / "args.json").stat().st_mode & 0o044
     assert trained.exports == 1  # save_every 10 > 1 epoch: only the final save
     card = (trained.lora / "README.md").read_text()
-    scalars = json.loads((trained.run_dir / "args.json").read_text())
+    config = json.loads((trained.run_dir / "args.json").read_text())
     for text in ("DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117", "| reward | `shapes` |", "the trained policy, after epoch 1",
-                 "| eval/shapes | ", "| eval/shapes_strict | ", "![samples](samples.png)", f"Git commit: `{scalars['git_commit']}`",
-                 "| learning_rate | ", "Command: `python "):  # fmt: skip
+                 "| eval/shapes | ", "| eval/shapes_strict | ", "![samples](samples.png)", "| learning_rate | ",
+                 f"Git commit: `{config['git_commit']}`", "Command: `python "):  # fmt: skip
         assert text in card, text
 
 
@@ -167,7 +171,8 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
     ema = [torch.full_like(p, 0.5) for p in params]
     args = SimpleNamespace(model="m", reward="shapes", run_name="r", lora_targets=("to_q",), lora_rank=16, lora_alpha=32.0)
     out = tmp_path / "lora"
-    common.export_lora(out, trained.pipe, transformer, args, "Algo, arXiv 1\n\nmore", 3, weights=ema, weights_name="the eval EMA")
+    doc = "Algo, arXiv 1\n\nmore"
+    common.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
     (out / "stale.txt").write_text("from an older export")
     common.export_lora(out, trained.pipe, transformer, args, "Algo, arXiv 1", 4, weights=ema, weights_name="the eval EMA",
                        samples=torch.zeros(3, 4, 6))  # fmt: skip
@@ -258,7 +263,9 @@ def test_track_mirrors_the_tensorboard_scalars_to_an_offline_wandb_run(trained):
     assert config["track"] is True
 
 
-@pytest.mark.parametrize("omp,threads,load,hint", [(None, 2, 2.9, True), (None, 2, 0.3, False), ("1", 2, 2.9, False), (None, 1, 5.0, False)])
+@pytest.mark.parametrize(
+    "omp,threads,load,hint", [(None, 2, 2.9, True), (None, 2, 0.3, False), ("1", 2, 2.9, False), (None, 1, 5.0, False)]
+)
 def test_busy_cpu_hint(monkeypatch, omp, threads, load, hint):
     """First-run help: a note when torch's threads share 2 cores with other work (load 2.9 = ~3 busy processes), none
     on an idle machine, with OMP_NUM_THREADS set, or at one thread."""
@@ -276,14 +283,16 @@ def test_busy_cpu_hint(monkeypatch, omp, threads, load, hint):
 
 
 def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
-    args = SimpleNamespace(model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", num_steps=40, guidance_scale=4.5,
-                           resolution=512, exp_name="crd", lora_targets=("to_q",), lora_rank=32, lora_alpha=64.0)  # fmt: skip
+    args = SimpleNamespace(model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", num_steps=40,
+                           guidance_scale=4.5, resolution=512, exp_name="crd", lora_targets=("to_q",), lora_rank=32,
+                           lora_alpha=64.0)  # fmt: skip
     evals = {"eval/pickscore": (0.91, 640), "eval/shapes_exact": (0.25, 640), "eval/ocr/colours": (0.5, 640)}
     card = common.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
     assert card.startswith("---\nlibrary_name: diffusers\n") and "base_model: stabilityai/stable-diffusion-3.5-medium" in card
     for k, (v, _) in evals.items():
         assert f"| {k} | {v:.4f} |" in card
-    assert "after 640 training images" in card and "the eval EMA (decay 0.9), after epoch 7" in card and "samples.png" not in card
+    assert "after 640 training images" in card and "the eval EMA (decay 0.9), after epoch 7" in card
+    assert "samples.png" not in card
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     compile(snippet, "card", "exec")
     assert 'dtype=torch.bfloat16).to("cuda")' in snippet and "height=512, width=512" in snippet
