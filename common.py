@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -43,6 +44,7 @@ class UserError(ValueError):
 def run_main(main, args):
     """Run `main(args)`, turning `UserError` into a one-line message and exit code 2."""
     try:
+        check_integrations(args)
         main(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -75,6 +77,22 @@ def setup_distributed(device: Optional[str] = None) -> Dist:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return Dist(rank, world_size, local_rank, dev)
+
+
+def busy_cpu_hint() -> Optional[str]:
+    """A one-line hint when torch's CPU threads (default: one per core) must share the cores with other work.
+
+    OpenMP threads that wait for a descheduled sibling make every op slow: on 2 busy cores (load 5.7) a tiny-shapes
+    training step took 1.1-5.2 s with 2 threads and 0.24-0.29 s with 1. Only a hint, not a change of the thread
+    count: results must not depend on the machine's load. None when OMP_NUM_THREADS is set (torchrun sets it)."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+        return None
+    threads, load = torch.get_num_threads(), os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > 1 and load + threads > cores + 0.5:
+        return (f"note: the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads, which can be "
+                f"several times slower than one here; set OMP_NUM_THREADS (e.g. OMP_NUM_THREADS=1) to choose")  # fmt: skip
+    return None
 
 
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
@@ -567,15 +585,18 @@ def sample(
 
 @torch.no_grad()
 def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32,
-             use_autocast=False, repeats: int = 2):  # fmt: skip
+             use_autocast=False, repeats: int = 2, progress: bool = True):  # fmt: skip
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
-    scored by `reward_fn`.
+    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates).
 
     Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
     the same noise in every run and every algorithm, so eval curves are comparable.
     """
+    from tqdm import tqdm
+
     prompts = list(prompts) * repeats
     images, scores = [], {}
+    bar = tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress)
     for k in range(0, len(prompts), batch):
         chunk = prompts[k : k + batch]
         embeds, pooled = encoder(chunk)
@@ -587,6 +608,8 @@ def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guida
         for name, value in reward_fn(imgs, chunk).items():
             scores.setdefault(name, []).append(value.float().cpu())
         images.append(imgs.cpu())
+        bar.update(len(chunk))
+    bar.close()
     return torch.cat(images), {k: torch.cat(v) for k, v in scores.items()}
 
 
@@ -721,11 +744,16 @@ def git_commit() -> str:
 
 
 class Logger:
-    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0."""
+    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0.
+
+    With `args.track` the run is mirrored to wandb (CleanRL's `--track`): `wandb.init(sync_tensorboard=True)` before
+    the SummaryWriter exists patches it, so every scalar and image written here also goes to wandb. The newest value
+    of every scalar and the newest grid of every image tag are kept (`last_scalars`, `last_images`) for the model card."""
 
     def __init__(self, run_dir: Path, args, enabled: bool = True):
         self.enabled, self.run_dir = enabled, Path(run_dir)
-        self.writer = None
+        self.writer = self.wandb = None
+        self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([H, W, 3] uint8 grid, captions, step)
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -734,6 +762,14 @@ class Logger:
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         config["git_commit"] = git_commit()
         (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cpu" and (hint := busy_cpu_hint()):  # once every check passed, as training starts
+            print(hint, file=sys.stderr)
+        if getattr(args, "track", False):
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name,
+                                    config=config, sync_tensorboard=True)  # fmt: skip
         self.writer = SummaryWriter(str(run_dir))
         table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -742,6 +778,7 @@ class Logger:
         if self.enabled:
             for k, v in values.items():
                 self.writer.add_scalar(k, float(v), step)
+                self.last_scalars[k] = (float(v), step)
 
     def images(self, tag: str, images: torch.Tensor, captions: Sequence[str], step: int, ncol: int = 8):
         """A grid of images with each caption drawn under its image, to TensorBoard and as
@@ -755,10 +792,159 @@ class Logger:
         self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
         (self.run_dir / "samples").mkdir(exist_ok=True)
         Image.fromarray(grid).save(self.run_dir / "samples" / f"{tag.split('/')[0]}_{step:07d}.png")
+        self.last_images[tag] = (grid, list(captions), step)
 
     def close(self):
         if self.enabled:
             self.writer.close()
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.finish()
+                wandb.tensorboard.unpatch()  # finish() leaves SummaryWriter patched: a later run in this process would fail
+
+
+def check_integrations(args):
+    """The optional integrations' flags, checked before anything loads: `--track` needs wandb installed,
+    `--push-to-hub` a valid repo id."""
+    if getattr(args, "track", False):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("--track needs wandb: pip install -r requirements-track.txt")
+    repo_id = getattr(args, "push_to_hub", None)
+    if repo_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as e:
+            raise UserError(f"--push-to-hub {repo_id!r} is not a hub repo id (user/name): {str(e).splitlines()[0]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trained model out: a diffusers LoRA folder with a model card
+# ----------------------------------------------------------------------------------------------------------------
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
+CARD_ARGS = ("model", "reward", "seed", "num_epochs", "num_prompts", "group_size", "learning_rate", "lora_rank", "lora_alpha",
+             "num_steps", "guidance_scale", "dynamics", "eta", "resolution", "base_dtype")  # fmt: skip
+
+
+def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: int, logger: Optional[Logger] = None, *,
+                samples=None, weights: Optional[Sequence[torch.Tensor]] = None, weights_name: str = "the trained policy"):
+    """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
+    pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
+    then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
+
+    The adapter metadata (peft's LoraConfig: r, lora_alpha, targets) goes into the safetensors header; without it
+    diffusers assumes lora_alpha = r and would apply our alpha = 2r LoRA at half strength.
+    `weights`: other values for the trainable LoRA parameters (an EMA), in `add_lora`'s order, exported instead of the
+    live ones, which are left untouched; `weights_name` says which in the card. `logger`: its newest eval/* scalars
+    go into the card's table and its newest "eval/images" grid (captioned) becomes samples.png, unless `samples` (a [3, H, W]
+    image in [0, 1]) is given. Call it on one rank only."""
+    from peft import get_peft_model_state_dict
+
+    out_dir = Path(out_dir)
+    tmp, old = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}"), out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
+        state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+    type(pipe).save_lora_weights(tmp, transformer_lora_layers=state,
+                                 transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())  # fmt: skip
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
+    if samples is None and logger is not None and "eval/images" in logger.last_images:
+        samples = logger.last_images["eval/images"][0]
+    if samples is not None:
+        from PIL import Image
+
+        if isinstance(samples, torch.Tensor):  # [3, H, W] in [0, 1]; the logger's grids are already uint8 [H, W, 3]
+            samples = (samples.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+        Image.fromarray(samples).save(tmp / "samples.png")
+    evals = {k: v for k, v in (logger.last_scalars.items() if logger is not None else ()) if k.startswith("eval/")}
+    (tmp / "README.md").write_text(model_card(pipe, args, algo_doc, epoch, evals, weights_name, samples is not None))
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
+    """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
+    load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
+    load += ", dtype=torch.bfloat16).to(\"cuda\")" if gpu else ")"
+    return ("import torch\n" if gpu else "") + (
+        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({json.dumps(lora_dir)})\n"
+        f"image = pipe({call}).images[0]\nimage.save(\"sample.png\")\n"
+    )
+
+
+def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
+    """The model card of an exported LoRA: what it is, how well it scores, how it was made, how to load it."""
+    config = asdict(args) if is_dataclass(args) else dict(vars(args))
+    doc = (algo_doc or "").strip()
+    algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
+    pipe_class, model = type(pipe).__name__, str(config.get("model", ""))
+    flux = is_flux(pipe.transformer)
+    call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
+    no_t5 = not flux and getattr(pipe, "text_encoder_3", None) is None
+    if no_t5:  # the zero padding that stands in for T5 must be as long as in training (common.PromptEncoder)
+        call += ", max_sequence_length=1"
+    if config.get("resolution"):
+        call += f", height={config['resolution']}, width={config['resolution']}"
+    front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
+    hub = not Path(model).expanduser().exists() and model.count("/") == 1
+    if hub:
+        front.append(f"base_model: {model}")
+    targets = ", ".join(config.get("lora_targets", ()))
+    snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
+    lines = front + ["---", "", f"# {config.get('run_name') or 'cleanflow LoRA'}", "",
+                     f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.", "",
+                     "| | |", "|-|-|", f"| base model | `{model}` |", f"| algorithm | {algo} |",
+                     f"| reward | `{config.get('reward')}` |",
+                     f"| weights | {weights_name}, after epoch {epoch} |",
+                     f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |", "",
+                     "## Use it", "", "```python", snippet.rstrip(), "```", ""]  # fmt: skip
+    steps = sorted({step for _, step in evals.values()})
+    lines += ["## Evaluation", ""]
+    if evals:
+        lines += [f"Held-out prompts (`{config.get('test_prompts')}`), ODE sampler, {config.get('num_steps')} steps, "
+                  f"CFG {config.get('guidance_scale')}, after {max(steps)} training images:", "",
+                  "| metric | value |", "|-|-|"] + [f"| {k} | {v:.4f} |" for k, (v, _) in sorted(evals.items())]  # fmt: skip
+    else:
+        lines.append("No evaluation logged yet.")
+    if has_samples:
+        lines += ["", "![samples](samples.png)"]
+    lines += ["", "## Training", "", "| argument | value |", "|-|-|"]
+    lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
+    lines += ["", "Every argument: `args.json` in the run folder.", "",
+              f"Command: `{launcher} {shlex.join(sys.argv)}`", "", f"Git commit: `{git_commit()}`", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def push_to_hub(folder: Path, repo_id: str) -> Optional[str]:
+    """Upload an exported LoRA folder to a hub model repo (created if missing; needs `hf auth login` or HF_TOKEN).
+
+    A failed upload (no token, no network) is one warning line with the command to retry, not an exception: it comes
+    after training, and the run must still close its logs; the folder stays on disk."""
+    from huggingface_hub import create_repo, upload_folder
+
+    try:
+        create_repo(repo_id, repo_type="model", exist_ok=True)
+        url = upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"cleanflow: {folder.parent.name}")
+    except Exception as e:  # noqa: BLE001 - any hub/network failure: the run itself succeeded
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"warning: --push-to-hub {repo_id} failed ({first}); retry: hf upload {repo_id} {folder} .", file=sys.stderr)
+        return None
+    print(f"pushed {folder} to {url}")
+    return str(url)
 
 
 def captions(prompts: Sequence[str], scores: dict) -> list:

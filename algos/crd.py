@@ -43,6 +43,14 @@ class Args:
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
     """besides checkpoints/last.pt, keep the last N saves as checkpoints/epoch_<E>.pt (0: only last.pt)"""
+    track: bool = False
+    """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
+    wandb_project_name: str = "cleanflow"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of the wandb project; default your wandb default"""
+    push_to_hub: Optional[str] = None
+    """a hub model repo id (user/name): at the end, upload the exported LoRA folder runs/<run>/lora there"""
     mixed_precision: bool = False
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
     gradient_checkpointing: bool = False
@@ -336,6 +344,7 @@ def main(args: Args):
                 "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
                             "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
             }, keep=args.keep_checkpoints)  # fmt: skip
+            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger)  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
@@ -470,6 +479,8 @@ def main(args: Args):
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+        if args.push_to_hub:
+            common.push_to_hub(run_dir / "lora", args.push_to_hub)
     logger.close()
     common.cleanup_distributed()
 
