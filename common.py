@@ -309,6 +309,39 @@ def swapped_weights(params: Sequence[torch.Tensor], values: Sequence[torch.Tenso
                 p.copy_(s)
 
 
+class EvalEMA:
+    """An EMA of the trainable weights kept only for evaluation (the papers' protocol: flow_grpo, DiffusionNFT, AWM and
+    DGPO all report an EMA of the weights); training never sees it. decay 0 = off: `swapped()` is a no-op.
+
+    `update(step)` after optimizer step `step` (counted from 1): e <- d e + (1 - d) p with d = min(decay, (1 + step) /
+    (10 + step)), flow_grpo's warm-up (flow_grpo/ema.py), so early evaluations are not dominated by the initial weights.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], decay: float):
+        if not 0 <= decay < 1:
+            raise UserError(f"eval_ema_decay must be in [0, 1) (0 = off), got {decay}")
+        self.params, self.decay = list(params), decay
+        self.shadow = [p.detach().clone() for p in self.params] if decay > 0 else []
+
+    @torch.no_grad()
+    def update(self, step: int):
+        d = min(self.decay, (1 + step) / (10 + step))
+        for e, p in zip(self.shadow, self.params):
+            e.lerp_(p.detach(), 1 - d)
+
+    def swapped(self):
+        return swapped_weights(self.params, self.shadow) if self.shadow else contextlib.nullcontext()
+
+    def state(self) -> Optional[list]:
+        return [e.cpu() for e in self.shadow] if self.shadow else None
+
+    @torch.no_grad()
+    def load(self, state: Optional[list]):
+        """Restore a saved EMA; a checkpoint without one (EMA off when it was written) restarts it from the weights."""
+        for e, p, v in zip(self.shadow, self.params, state or [None] * len(self.shadow)):
+            e.copy_(p if v is None else v)
+
+
 def autocast(device: torch.device, enabled: bool):
     """bf16 autocast for forwards (trainable weights stay fp32); a no-op context when disabled."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)

@@ -246,6 +246,36 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert state["step"] == 3 and not list(path.parent.glob("*.tmp*"))
 
 
+def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
+    params = [torch.zeros(3), torch.ones(2)]
+    ema = common.EvalEMA(params, 0.9)
+    ref = [p.clone() for p in params]
+    for step in range(1, 30):
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.1 * step)
+        ema.update(step)
+        d = min(0.9, (1 + step) / (10 + step))  # flow_grpo's warm-up
+        ref = [d * r + (1 - d) * p for r, p in zip(ref, params)]
+    for e, r in zip(ema.shadow, ref):
+        torch.testing.assert_close(e, r)
+    trained = [p.clone() for p in params]
+    with ema.swapped():
+        assert all(torch.equal(p, r) for p, r in zip(params, ema.shadow))
+    assert all(torch.equal(p, t) for p, t in zip(params, trained))
+    saved = ema.state()
+    fresh = common.EvalEMA(params, 0.9)
+    fresh.load(saved)
+    assert all(torch.equal(x, y) for x, y in zip(fresh.shadow, ema.shadow))
+    fresh.load(None)  # a checkpoint written with the EMA off: restart from the weights
+    assert all(torch.equal(x, p) for x, p in zip(fresh.shadow, params))
+    off = common.EvalEMA(params, 0.0)
+    off.update(1)
+    assert off.state() is None and not off.shadow
+    with pytest.raises(common.UserError):
+        common.EvalEMA(params, 1.0)
+
+
 def test_missing_model_path_is_one_clear_line(tmp_path):
     with pytest.raises(common.UserError) as e:
         common.load_pipeline(str(tmp_path / "nope"), torch.device("cpu"))
