@@ -9,6 +9,7 @@ DGPO 01ceb4b; Flow-Factory a0b2bc5 for CRD, whose authors restated the paper's T
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from test_benchmark_scripts import REPO, parse_script
@@ -265,3 +266,13 @@ def test_a_silent_difference_is_caught(tmp_path):
     script = tmp_path / "sd35_grpo.sh"
     script.write_text((REPO / "benchmark" / "sd35_grpo.sh").read_text().replace("--kl-form official", "--kl-form exact"))
     assert set(silent_differences(script, "grpo", "ocr")) == {"kl_form"}
+
+
+@pytest.mark.parametrize("algo, steps, official_indices", [("dgpo", 10, 7), ("awm", 14, 12)])
+def test_timestep_ranges_cover_the_official_step_indices(algo, steps, official_indices):
+    """DGPO trunc_steps 6 trains indices 0..6 (7); AWM timestep_fraction 0.9 of 14 steps trains indices 0..11 (12).
+    The scripts' --timestep-range keeps the indices whose sigma >= 1 - range on SD3.5's schedule (shift 3)."""
+    base = np.linspace(1.0, 1.0 / steps, steps)
+    sigmas = 3 * base / (1 + 2 * base)
+    value = OFFICIAL[algo]["pickscore"]["timestep_range"][0]
+    assert int((sigmas >= 1 - value - 1e-6).sum()) == official_indices
