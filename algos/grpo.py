@@ -114,7 +114,7 @@ class Args:
     """python slice of step indices that may be stochastic; (1, -1) = all but the first (sigma=1) and the last"""
     num_sde_steps: int = 4
     """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO;
-    paper-Fast: 2 of steps 1..5)"""
+    official Fast PickScore: 2, see window_mode)"""
     window_mode: Literal["subset", "contiguous"] = "subset"
     """which num_sde_steps steps: "subset", a random (possibly non-contiguous) subset of the window; "contiguous", a run
     of consecutive steps with a random start, inside the window (official Flow-GRPO-Fast: sde_window_size 3 in
@@ -191,7 +191,7 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
     For a Gaussian step x' = mu_old + std z the plain log-ratio is (z.(mu - mu_old) / std - ||mu - mu_old||^2 / (2 std^2))
     per element: its mean is negative (ratios sit below 1, so clip_high rarely binds on positive samples) and its spread
     1/std differs by step. Removing the bias and multiplying by std leaves z.(mu - mu_old), centred at 0 with the
-    same scale at every step. (std is a constant of the step, so the gradient direction per sample is kept.)"""
+    same scale at every step."""
     bias = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std.reshape(-1) ** 2)
     return (log_prob - old_log_prob + bias) * std.reshape(-1)
 
@@ -397,9 +397,10 @@ def main(args: Args):
                             if args.kl_type == "x":
                                 _, _, mean_ref, _ = common.sde_step(x, v_ref, sigmas[i], sigmas[i + 1], args.dynamics, args.eta,
                                                                     x_next=x_next, sigma_cap=float(sigmas[1]))  # fmt: skip
-                                kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form).mean()
+                                kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
                             else:
-                                kl = (v - v_ref).pow(2).flatten(1).mean(1).mean()
+                                kl = (v - v_ref).pow(2).flatten(1).mean(1)
+                            kl = (kl if weight is None else weight[idx] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         k += 1
