@@ -225,11 +225,13 @@ def main(args: Args):
         run_dir, ckpt = Path(args.output_dir) / args.run_name, None
     common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
+    # ALGO LOGIC: flag combinations that cannot work, refused before the model loads
+    if args.grpo_guard and args.log_prob_form != "gaussian":
+        raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
+
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    if args.grpo_guard and args.log_prob_form != "gaussian":
-        raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
     total = args.num_prompts * args.group_size  # images per epoch, all ranks together
     per_rank_step = common.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
