@@ -386,10 +386,11 @@ def main(args: Args):
                         )  # fmt: skip
                         old_log_prob = rollout.log_probs[idx, i]
                         if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
-                            log_prob, old_log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std), 0
+                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std)
+                            old_log_prob = torch.zeros_like(log_prob)
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                            log_prob, old_log_prob, adv[idx], args.clip_low, args.clip_high, None if weight is None else weight[idx]
-                        )
+                            log_prob, old_log_prob, adv[idx], args.clip_low, args.clip_high, None if weight is None else weight[idx],
+                        )  # fmt: skip
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
                         kl = torch.zeros((), device=device)

@@ -1,6 +1,6 @@
 """A real-size dry run without a GPU or a download: each algorithm script trains SD3.5-Medium's transformer for one epoch.
 
-    OMP_NUM_THREADS=1 python benchmark/dry_run.py                     # all five algorithms, 128 px, ~15 min on 1 core
+    OMP_NUM_THREADS=1 python benchmark/dry_run.py                     # all five algorithms, 128 px, ~15-20 min on 1 core
     OMP_NUM_THREADS=1 python benchmark/dry_run.py --algos grpo,nft --gc-algos grpo --out benchmark/results/dry_run.md
 
 The transformer is `SD3Transformer2DModel` built from SD3.5-Medium's published config (below) with random weights in
@@ -171,7 +171,7 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     times = {tag.split("/")[1]: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"] if tag.startswith("time/")}
-    lora = sum(p.numel() for n, p in common_transformer_params(module, args))
+    lora = sd35_lora_params(args)
     print("RESULT " + json.dumps({
         "algo": algo, "gc": gc, "resolution": resolution, "total_s": total, **times, "lora_params": lora,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "saved_gb": meter.peak / 1e9,
@@ -179,7 +179,7 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
     }), flush=True)  # fmt: skip
 
 
-def common_transformer_params(module, args):
+def sd35_lora_params(args) -> int:
     """LoRA parameter count of the run's targets on the SD3.5-M transformer (rebuilt on the meta device: no memory)."""
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
@@ -187,7 +187,7 @@ def common_transformer_params(module, args):
     with torch.device("meta"):
         t = SD3Transformer2DModel(**SD35_MEDIUM)
     t.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets)))
-    return [(n, p) for n, p in t.named_parameters() if "lora_" in n]
+    return sum(p.numel() for n, p in t.named_parameters() if "lora_" in n)
 
 
 def gpu_estimate(r: dict, gc: bool, offload: bool) -> float:
