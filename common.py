@@ -327,6 +327,39 @@ def swapped_weights(params: Sequence[torch.Tensor], values: Sequence[torch.Tenso
                 p.copy_(s)
 
 
+class EvalEMA:
+    """An EMA of the trainable weights kept only for evaluation (the papers' protocol: flow_grpo, DiffusionNFT, AWM and
+    DGPO all report an EMA of the weights); training never sees it. decay 0 = off: `swapped()` is a no-op.
+
+    `update(step)` after optimizer step `step` (counted from 1): e <- d e + (1 - d) p with d = min(decay, (1 + step) /
+    (10 + step)), flow_grpo's warm-up (flow_grpo/ema.py), so early evaluations are not dominated by the initial weights.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], decay: float):
+        if not 0 <= decay < 1:
+            raise UserError(f"eval_ema_decay must be in [0, 1) (0 = off), got {decay}")
+        self.params, self.decay = list(params), decay
+        self.shadow = [p.detach().clone() for p in self.params] if decay > 0 else []
+
+    @torch.no_grad()
+    def update(self, step: int):
+        d = min(self.decay, (1 + step) / (10 + step))
+        for e, p in zip(self.shadow, self.params):
+            e.lerp_(p.detach(), 1 - d)
+
+    def swapped(self):
+        return swapped_weights(self.params, self.shadow) if self.shadow else contextlib.nullcontext()
+
+    def state(self) -> Optional[list]:
+        return [e.cpu() for e in self.shadow] if self.shadow else None
+
+    @torch.no_grad()
+    def load(self, state: Optional[list]):
+        """Restore a saved EMA; a checkpoint without one (EMA off when it was written) restarts it from the weights."""
+        for e, p, v in zip(self.shadow, self.params, state or [None] * len(self.shadow)):
+            e.copy_(p if v is None else v)
+
+
 def autocast(device: torch.device, enabled: bool):
     """bf16 autocast for forwards (trainable weights stay fp32); a no-op context when disabled."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
@@ -475,7 +508,11 @@ def decode(pipe, latents: torch.Tensor, chunk: int = 64) -> torch.Tensor:
 # the sampler
 # ----------------------------------------------------------------------------------------------------------------
 def sigma_schedule(scheduler, num_steps: int, device=None, image_seq_len: Optional[int] = None) -> torch.Tensor:
-    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (what Flow-GRPO samples with).
+    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (Flow-Factory's schedule).
+
+    flow_grpo samples with diffusers' default instead (`set_timesteps(N)`: linspace from sigma 1 to the shifted
+    1/1000, then the shift again): at 10 steps with shift 3 that is 1, 0.960, ..., 0.278, 0.009, 0 against
+    1, 0.964, ..., 0.429, 0.250, 0 here, so its last step starts almost at the data.
 
     SD3 has a fixed shift. FLUX's scheduler (`use_dynamic_shifting`) shifts by exp(mu) with mu linear in the image's
     token count, as FluxPipeline's `calculate_shift`; the count is `image_seq_len`, by default the one
@@ -497,13 +534,24 @@ def sigma_schedule(scheduler, num_steps: int, device=None, image_seq_len: Option
     return sched.sigmas.float()
 
 
-def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_next=None, sigma_cap: float = 0.99):
+LOG_PROB_FORMS = ("gaussian", "mse")
+
+
+def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_next=None, sigma_cap: Optional[float] = None,
+             log_prob_form: str = "gaussian"):  # fmt: skip
     """One step of the reverse process as a Gaussian policy N(mean, std^2 I) (Flow-Factory spec section 1).
 
     Returns (x_next, log_prob [B], mean, std). If `x_next` is given (training), it is scored instead of sampled.
-    ODE and eta = 0 give the Euler step with std 0 and log_prob 0. `sigma_cap` guards Flow-SDE's 1/(1 - sigma) at
-    sigma = 1: the rollout passes the schedule's second sigma, as Flow-GRPO does.
+    ODE and eta = 0 give the Euler step with std 0 and log_prob 0; so does every row whose std is 0 (e.g. a
+    per-sample sigma_next = 0 under CPS) while the other rows keep theirs.
+    `sigma_cap` guards Flow-SDE's 1/(1 - sigma) at sigma = 1. None (default): at sigma = 1 the factor uses
+    sigma_next, which for the first step of a schedule is its second sigma, the value flow_grpo and Flow-Factory use
+    (`sigma_max = sigmas[1]`); a float clamps sigma to it (0.99 gives 1.89x that first-step std on SD3.5 at 10 steps).
+    `log_prob_form`: "gaussian", the exact log-density (per-element mean); "mse", the CPS authors' surrogate
+    -mean (x_next - mean)^2 (also Flow-Factory's for CPS), whose log-ratios are those of "gaussian" times 2 std^2.
     """
+    if log_prob_form not in LOG_PROB_FORMS:
+        raise UserError(f"unknown log_prob_form {log_prob_form!r}; choose one of {', '.join(LOG_PROB_FORMS)}")
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
     if sigma.dim() == 1:  # per-sample sigmas broadcast over the latent dims
@@ -513,7 +561,8 @@ def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_n
     if dynamics == "ODE" or eta == 0:
         mean, std = x + dt * v, torch.zeros_like(sigma)
     elif dynamics == "Flow-SDE":  # Flow-GRPO's SDE, sigma_t = eta sqrt(sigma / (1 - sigma))
-        std_dev = eta * torch.sqrt(sigma / (1 - torch.clamp(sigma, max=sigma_cap)))
+        capped = torch.where(sigma >= 1, sigma_next, sigma) if sigma_cap is None else torch.clamp(sigma, max=sigma_cap)
+        std_dev = eta * torch.sqrt(sigma / (1 - capped))
         mean = x + (v + std_dev**2 / (2 * sigma) * eps_hat) * dt
         std = std_dev * torch.sqrt(-dt)
     elif dynamics == "Dance-SDE":  # DanceGRPO: constant diffusion coefficient eta
@@ -526,10 +575,16 @@ def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_n
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
     if x_next is None:
         x_next = mean if noise is None or not bool((std > 0).any()) else mean + std * noise
-    if not bool((std > 0).all()):
+    live = (std > 0).reshape(-1).expand(x.shape[0]) if std.numel() == 1 else (std > 0).reshape(x.shape[0])  # [B]
+    if not bool(live.any()):
         return x_next, torch.zeros(x.shape[0], device=x.device), mean, std
-    log_prob = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
-    return x_next, log_prob.mean(dim=tuple(range(1, x.dim()))), mean, std
+    dims = tuple(range(1, x.dim()))
+    if log_prob_form == "mse":
+        log_prob = -((x_next - mean) ** 2).mean(dim=dims)
+    else:
+        safe = torch.where(std > 0, std, torch.ones_like(std))  # no 0/0 in the rows masked below
+        log_prob = (-((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * math.log(2 * math.pi)).mean(dim=dims)
+    return x_next, torch.where(live, log_prob, torch.zeros_like(log_prob)), mean, std
 
 
 @dataclass
@@ -539,6 +594,7 @@ class Rollout:
     trajectory: Optional[torch.Tensor] = None  # [B, N + 1, C, h, w]; position 0 is the initial noise
     log_probs: Optional[torch.Tensor] = None  # [B, N]; 0 at deterministic steps
     sde_mask: Optional[torch.Tensor] = None  # [N] bool, which steps were stochastic
+    means: Optional[torch.Tensor] = None  # [B, N, C, h, w] the Gaussian steps' means (keep_means; GRPO-Guard)
 
 
 @torch.no_grad()
@@ -547,6 +603,7 @@ def sample(
     dynamics: str = "ODE", eta: float = 0.7, sde_steps: Optional[Sequence[int]] = None,
     generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None,
     keep_trajectory: bool = False, latent_shape: Optional[Sequence[int]] = None, use_autocast: bool = False,
+    log_prob_form: str = "gaussian", keep_means: bool = False,
 ) -> Rollout:  # fmt: skip
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
@@ -554,6 +611,7 @@ def sample(
     Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device; a list of generators
     (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
     Latents are [B, C, h, w] for every family (`pipe.latent_shape`; FLUX's packing happens inside `velocity`).
+    `log_prob_form`: see `sde_step`; `keep_means` also returns every step's mean.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
@@ -570,17 +628,21 @@ def sample(
         sde_steps = range(num_steps - 1)
     sde_mask = torch.zeros(num_steps, dtype=torch.bool)
     sde_mask[list(sde_steps)] = True
-    traj, log_probs = [x], torch.zeros(batch, num_steps, device=device)
+    traj, log_probs, means = [x], torch.zeros(batch, num_steps, device=device), []
     for i in range(num_steps):
         with autocast(device, use_autocast):
             v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
         step_noise = randn(x.shape, generator).to(device) if sde_mask[i] else None
-        x, log_probs[:, i], _, _ = sde_step(
-            x, v, sigmas[i], sigmas[i + 1], dynamics if sde_mask[i] else "ODE", eta, step_noise, sigma_cap=float(sigmas[1])
-        )
+        x, log_probs[:, i], mean, _ = sde_step(
+            x, v, sigmas[i], sigmas[i + 1], dynamics if sde_mask[i] else "ODE", eta, step_noise, sigma_cap=float(sigmas[1]),
+            log_prob_form=log_prob_form,
+        )  # fmt: skip
         if keep_trajectory:
             traj.append(x)
-    return Rollout(x, sigmas, torch.stack(traj, 1) if keep_trajectory else None, log_probs, sde_mask)
+        if keep_means:
+            means.append(mean)
+    return Rollout(x, sigmas, torch.stack(traj, 1) if keep_trajectory else None, log_probs, sde_mask,
+                   torch.stack(means, 1) if keep_means else None)  # fmt: skip
 
 
 @torch.no_grad()
@@ -647,14 +709,21 @@ def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, gen
     return [prompts[i] for i in idx[:num_prompts] for _ in range(group_size)]
 
 
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
 ) -> torch.Tensor:
     """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
 
     A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
-    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), or 1
-    (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN). Then optional clip to [-c, c].
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
     """
     r = rewards.double().view(-1, group_size)
     if leave_one_out:
@@ -665,15 +734,15 @@ def group_advantages(
         baseline = r.mean(1, keepdim=True)
     centred = r - baseline
     if std == "group":
-        scale = r.std(1, unbiased=False, keepdim=True)
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
     elif std == "global":
-        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1])
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
     elif std == "none":
         scale = torch.ones_like(r[:, :1])
     else:
         raise UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
     flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
-    adv = torch.where(flat, torch.zeros_like(centred), centred / scale.clamp_min(1e-8))
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv.view(-1).float()

@@ -41,6 +41,13 @@ class Args:
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
     """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    eval_num_steps: Optional[int] = None
+    """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
+    eval_guidance_scale: Optional[float] = None
+    """CFG scale of evaluation; default guidance_scale"""
+    eval_ema_decay: float = 0.0
+    """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
+    checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -262,6 +269,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
     start_epoch, step, images_seen = 0, 0, 0
     if ckpt is not None:
         common.load_trainable_state(named, ckpt["params"])
@@ -269,6 +277,7 @@ def main(args: Args):
         for key, tensors in snapshots.items():
             for t, saved in zip(tensors, ckpt["snapshots"][key]):
                 t.copy_(saved)
+        eval_ema.load(ckpt.get("eval_ema"))
         prompt_gen.set_state(ckpt["prompt_gen"])
         common.set_rng_state(ckpt["rng"])
         start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
@@ -278,6 +287,7 @@ def main(args: Args):
             common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
                 "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
                 "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "eval_ema": eval_ema.state(),
                 "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
                 "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
                 "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
@@ -287,8 +297,12 @@ def main(args: Args):
 
     def evaluate(epoch):
         if dist.is_main:
-            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
-                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
+                imgs, scores = common.evaluate(
+                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
+                    seed=0, use_autocast=args.mixed_precision,
+                )  # fmt: skip
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
@@ -389,6 +403,7 @@ def main(args: Args):
                             # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
                             update_ema(ema_ref, params, ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate))
                             bad_steps, step = 0, step + 1
+                            eval_ema.update(step)
                             stats["grad_norm"].append(grad_norm)
             ratios = stats.pop("ratio_mean")
             diagnostics = {"ratio_mean": float(np.mean(ratios)) if ratios else 1.0,

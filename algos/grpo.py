@@ -41,6 +41,13 @@ class Args:
     peaks around epoch 40-50 and drifts down after, see docs/grpo.md)"""
     eval_every: int = 10
     """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    eval_num_steps: Optional[int] = None
+    """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
+    eval_guidance_scale: Optional[float] = None
+    """CFG scale of evaluation; default guidance_scale"""
+    eval_ema_decay: float = 0.0
+    """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
+    checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -115,7 +122,22 @@ class Args:
     """python slice of step indices that may be stochastic; (1, -1) = all but the first (sigma=1) and the last"""
     num_sde_steps: int = 4
     """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO;
-    paper-Fast: 2 of steps 1..5)"""
+    official Fast PickScore: 2, see window_mode)"""
+    window_mode: Literal["subset", "contiguous"] = "subset"
+    """which num_sde_steps steps: "subset", a random (possibly non-contiguous) subset of the window; "contiguous", a run
+    of consecutive steps with a random start, inside the window (official Flow-GRPO-Fast: sde_window_size 3 in
+    sde_window_range (0, N/2), i.e. --num-sde-steps 3 --sde-window 0 5)"""
+    zero_adv_filter: bool = False
+    """samples whose advantage is exactly 0 (flat groups) leave the loss mean of their optimizer step (official
+    flow_grpo); off: they count in the mean with a zero gradient"""
+    log_prob_form: Literal["gaussian", "mse"] = "gaussian"
+    """per-step log-prob: the exact Gaussian log-density, or "mse", -mean||x' - mu||^2, the CPS authors' surrogate
+    (log-ratios 2 std^2 times the Gaussian ones, so a clip range means something else: docs/grpo.md)"""
+    grpo_guard: bool = False
+    """GRPO-Guard (arXiv 2510.22319): RatioNorm, the log-ratio with its mean bias ||mu - mu_old||^2 / (2 std^2)
+    removed and scaled by the step's std, so ratios are centred at 1 with the same spread at every step"""
+    guard_reweight: bool = True
+    """with grpo_guard: weight each step's loss by 1 / |dt| (the paper's gradient reweighting; Flow-Factory omits it)"""
     shared_group_noise: bool = True
     """the K images of a prompt start from the same noise and diverge only at the SDE steps (Flow-GRPO-Fast's
     branching), so the reward differences within a group are caused by the steps that are trained"""
@@ -130,7 +152,11 @@ class Args:
     kl_beta: float = 0.0
     """beta of the KL penalty to the base model (paper: 0.04 on GenEval, 0 for Flow-GRPO-Fast PickScore)"""
     kl_type: Literal["x", "v"] = "x"
-    """"x": closed-form KL between the two Gaussian steps, ||mu - mu_ref||^2 / (2 std^2) (the paper's form); "v": ||v - v_ref||^2"""
+    """"x": KL between the two Gaussian steps (kl_form); "v": ||v - v_ref||^2"""
+    kl_form: Literal["exact", "official"] = "exact"
+    """kl_type "x": "exact", ||mu - mu_ref||^2 / (2 std^2) with std = sigma_t sqrt(|dt|), the true KL; "official",
+    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt|, on which the paper's beta was tuned (same beta:
+    exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -138,15 +164,17 @@ class Args:
 
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
-def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float):
+def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
     """PPO's clipped surrogate on per-step likelihood ratios: mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)), r = p / p_old.
 
-    Returns (loss, ratio, approx_kl, clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    `weight` [B] multiplies each sample's term inside the mean (zero_adv_filter). Returns (loss, ratio, approx_kl,
+    clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped).mean()
+    terms = torch.maximum(unclipped, clipped)
+    loss = (terms if weight is None else weight * terms).mean()
     approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
     clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
     return loss, ratio.detach(), approx_kl, clipfrac
@@ -155,6 +183,41 @@ def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float):
 def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
     """KL(N(mean, std^2) || N(mean_ref, std^2)) per element, averaged per sample (same std: only the means differ)."""
     return ((mean - mean_ref) ** 2 / (2 * std**2)).flatten(1).mean(1)
+
+
+def step_kl(mean, mean_ref, std, dt: float, form: str = "exact") -> torch.Tensor:
+    """The per-sample KL penalty of one SDE step, std = sigma_t sqrt(|dt|). "exact": `gaussian_kl`. "official":
+    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) (scripts/train_sd3.py), i.e. exact x |dt| -- its beta (0.04, 0.01) is
+    tuned on this form, so at the same beta the exact KL is 1/|dt| times stronger."""
+    kl = gaussian_kl(mean, mean_ref, std)
+    return kl * abs(dt) if form == "official" else kl
+
+
+def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
+    """GRPO-Guard's RatioNorm (arXiv 2510.22319): (log p - log p_old + ||mu - mu_old||^2 / (2 std^2)) std, per sample.
+
+    For a Gaussian step x' = mu_old + std z the plain log-ratio is (z.(mu - mu_old) / std - ||mu - mu_old||^2 / (2 std^2))
+    per element: its mean is negative (ratios sit below 1, so clip_high rarely binds on positive samples) and its spread
+    1/std differs by step. Removing the bias and multiplying by std leaves z.(mu - mu_old), centred at 0 with the
+    same scale at every step."""
+    bias = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std.reshape(-1) ** 2)
+    return (log_prob - old_log_prob + bias) * std.reshape(-1)
+
+
+def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
+    """[total] weights that drop samples with advantage exactly 0 from the mean of their optimizer step (official
+    flow_grpo filters them out of the batch): kept / (kept share of the step), 0 for a step with nothing kept."""
+    kept = (adv != 0).float().view(grad_steps, -1)
+    return (kept * kept.shape[1] / kept.sum(1, keepdim=True).clamp_min(1)).view(-1)
+
+
+def sde_window_steps(window: list, count: int, mode: str, generator: torch.Generator) -> list:
+    """The epoch's stochastic steps: `count` of `window`, a random subset ("subset") or a run of consecutive steps with
+    a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range)."""
+    if mode == "contiguous":
+        start = int(torch.randint(len(window) - count + 1, (1,), generator=generator))
+        return window[start : start + count]
+    return sorted(window[i] for i in torch.randperm(len(window), generator=generator)[:count])
 
 
 def main(args: Args):
@@ -169,6 +232,10 @@ def main(args: Args):
         args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir, ckpt = Path(args.output_dir) / args.run_name, None
     common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+
+    # ALGO LOGIC: flag combinations that cannot work, refused before the model loads
+    if args.grpo_guard and args.log_prob_form != "gaussian":
+        raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -223,6 +290,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
     start_epoch, step, images_seen = 0, 0, 0
     if ckpt is not None:
         common.load_trainable_state(named, ckpt["params"])
@@ -230,6 +298,7 @@ def main(args: Args):
         for key, tensors in snapshots.items():
             for t, saved in zip(tensors, ckpt["snapshots"][key]):
                 t.copy_(saved)
+        eval_ema.load(ckpt.get("eval_ema"))
         prompt_gen.set_state(ckpt["prompt_gen"])
         common.set_rng_state(ckpt["rng"])
         start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
@@ -239,6 +308,7 @@ def main(args: Args):
             common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
                 "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
                 "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                "eval_ema": eval_ema.state(),
                 "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
                 "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
                 "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
@@ -248,8 +318,12 @@ def main(args: Args):
 
     def evaluate(epoch):
         if dist.is_main:
-            imgs, scores = common.evaluate(pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.num_steps,
-                                           guidance_scale=args.guidance_scale, seed=0, use_autocast=args.mixed_precision)  # fmt: skip
+            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
+                imgs, scores = common.evaluate(
+                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
+                    seed=0, use_autocast=args.mixed_precision,
+                )  # fmt: skip
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
@@ -273,8 +347,8 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
-            # the same random subset of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
-            sde_steps = sorted(window[i] for i in torch.randperm(len(window), generator=prompt_gen)[: args.num_sde_steps])
+            # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
+            sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             noise = common.randn((local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys))
@@ -282,7 +356,8 @@ def main(args: Args):
                 transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps, noise=noise,
                 guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, sde_steps=sde_steps,
                 generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx), keep_trajectory=True,
-                latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
+                latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision, log_prob_form=args.log_prob_form,
+                keep_means=args.grpo_guard,
             )  # fmt: skip
             images = common.decode(pipe, rollout.latents)
             sigmas = rollout.sigmas
@@ -294,7 +369,9 @@ def main(args: Args):
             adv = common.aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std,
                 leave_one_out=args.leave_one_out, clip=args.adv_clip,
-            )[local_idx].to(device)  # fmt: skip
+            )  # fmt: skip
+            weight = zero_adv_weights(adv, args.grad_steps_per_epoch)[local_idx].to(device) if args.zero_adv_filter else None
+            adv = adv[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
 
         # ---- training ----
@@ -312,11 +389,18 @@ def main(args: Args):
                             v = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
                         # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
                         _, log_prob, mean, std = common.sde_step(
-                            x, v, sigmas[i], sigmas[i + 1], args.dynamics, args.eta, x_next=x_next, sigma_cap=float(sigmas[1])
+                            x, v, sigmas[i], sigmas[i + 1], args.dynamics, args.eta, x_next=x_next, sigma_cap=float(sigmas[1]),
+                            log_prob_form=args.log_prob_form,
                         )  # fmt: skip
+                        old_log_prob = rollout.log_probs[idx, i]
+                        if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
+                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std)
+                            old_log_prob = torch.zeros_like(log_prob)
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                            log_prob, rollout.log_probs[idx, i], adv[idx], args.clip_low, args.clip_high
-                        )
+                            log_prob, old_log_prob, adv[idx], args.clip_low, args.clip_high, None if weight is None else weight[idx],
+                        )  # fmt: skip
+                        if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
+                            policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
                         kl = torch.zeros((), device=device)
                         if args.kl_beta > 0:
                             with torch.no_grad(), common.reference_model(transformer), common.autocast(device, args.mixed_precision):
@@ -324,9 +408,10 @@ def main(args: Args):
                             if args.kl_type == "x":
                                 _, _, mean_ref, _ = common.sde_step(x, v_ref, sigmas[i], sigmas[i + 1], args.dynamics, args.eta,
                                                                     x_next=x_next, sigma_cap=float(sigmas[1]))  # fmt: skip
-                                kl = gaussian_kl(mean, mean_ref, std).mean()
+                                kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
                             else:
-                                kl = (v - v_ref).pow(2).flatten(1).mean(1).mean()
+                                kl = (v - v_ref).pow(2).flatten(1).mean(1)
+                            kl = (kl if weight is None else weight[idx] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         k += 1
@@ -343,6 +428,7 @@ def main(args: Args):
                                     raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
                                 continue
                             bad_steps, step = 0, step + 1
+                            eval_ema.update(step)
                             stats["grad_norm"].append(grad_norm)
             diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))), "sde_steps_mean": float(np.mean(sde_steps))}
 

@@ -4,15 +4,17 @@
 # --skip-pure-noise ("discrete_wo_init"), --kl-beta 1e-3 (GenEval) / 3e-3 (OCR), SA-Solver noise 0.4.
 # Paper: "up to 24x faster than Flow-GRPO" on GenEval/OCR/PickScore; no table number could be verified (docs/awm.md).
 # DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/pickscore).
-# Not reproduced: the SA-Solver rollout (ODE here; the PickScore config uses noise 0, i.e. deterministic) and the
-# 40-step evaluation (eval here uses --num-steps).
+# Evaluation follows the official configs: an EMA (decay 0.99) of the LoRA weights, 40 steps, no CFG.
+# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag: reason" each:
+# DIFF --dynamics: the official rollout is SA-Solver (use_sa_solver; deterministic at the PickScore noise 0); Euler ODE here
+# DIFF[ocr] --eta: SA-Solver noise 0.4 has no counterpart in the Euler ODE used here
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
-# TASK=ocr: OCR (official dgx_awm.py OCR config): KL 3e-3 and discrete_wo_init timesteps; its SA-Solver noise 0.4 is not available here (Euler ODE); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
+# TASK=ocr: OCR (official dgx_awm.py `ocr_sd3_no_cfg_1node`): KL 3e-3, discrete_wo_init timesteps, 72 prompts x 24 per epoch; its SA-Solver noise 0.4 is not available here (Euler ODE); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
 # GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
 case "${TASK:-pickscore}" in
   pickscore) TASK_FLAGS=() ;;
-  ocr) TASK_FLAGS=(--reward ocr --kl-beta 3e-3 --skip-pure-noise) ;;
+  ocr) TASK_FLAGS=(--reward ocr --kl-beta 3e-3 --skip-pure-noise --num-prompts 72 --eval-every 20 --save-every 20) ;;
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 # geometry: M=24 prompts x K=24 images = 576 per epoch = 72 per GPU; 1 optimizer step per epoch (so the ratio is 1)
@@ -26,4 +28,5 @@ torchrun --nproc-per-node 8 algos/awm.py \
   --num-train-timesteps 6 --timestep-range 0.6 --adv-clip 5 --advantage-max 1 --advantage-std global \
   --weighting ghuber --ghuber-power 0.25 --clip-low 1 --clip-high 1 \
   --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay 0.3 --ema-decay-ramp 0.001 \
+  --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0.99 \
   --num-epochs 1000 --eval-every 50 --save-every 50 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

@@ -3,6 +3,9 @@
 # Flow-Factory PR #121 / examples/crd/lora/sd3_5/default.yaml), 8 GPUs.
 # Paper: GenEval and OCR with "competitive SOTA"; its exact numbers could not be verified (see docs/crd.md).
 # DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/ocr or dataset/pickscore).
+# Evaluation follows the authors' config: 40 steps, no CFG, the trained weights themselves (no EMA).
+# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag: reason" each:
+# DIFF --micro-batch: Flow-Factory's 8 per GPU centres over mixed prompts; 24 = one whole group (within-prompt centring)
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # TASK=ocr: the hyperparameters above are already the paper's OCR settings (Table 3); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
@@ -24,4 +27,5 @@ torchrun --nproc-per-node 8 algos/crd.py \
   --crd-beta 1.0 --loss-type mse --weight-temp -1 --centering group \
   --old-model-decay 0-0.25-0.005-0.999 --sampling-model-decay 75-0.0-0.0075-0.999 \
   --kl-beta 0.1 --kl-cfg 4.5 --reward-adaptive-kl \
+  --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0 \
   --num-epochs 1000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

@@ -15,7 +15,7 @@ TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-ever
 EXTRA = {
     "awm": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --kl-beta 0.01 --ema-kl-beta 0.1 --off-policy --ema-decay-ramp 0.2",
     "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 2 --gradient-checkpointing --offload-text-encoders",
-    "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1",
+    "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",  # + the papers' eval protocol
     "dgpo": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --switch-ema-ref 1 --ema-ref-ramp-rate 0.1",
     "nft": "--num-train-timesteps 2 --kl-beta 0.01 --decay-ramp 0.3",
 }
@@ -56,6 +56,9 @@ def test_smoke_and_exact_resume(algo, prompts):
     for key, tensors in a.get("snapshots", {}).items():
         for x, y in zip(tensors, b["snapshots"][key]):
             assert torch.equal(x, y), key
+    assert (a["eval_ema"] is None) == (b["eval_ema"] is None) == (algo != "grpo")  # grpo runs with --eval-ema-decay: its EMA resumes exactly too
+    for x, y in zip(a["eval_ema"] or [], b["eval_ema"] or []):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("algo", sorted(EXTRA))

@@ -17,9 +17,8 @@ SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
 FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "$0"'
 
 
-@pytest.mark.parametrize("task", ["pickscore", "ocr"])
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_paper_command_parses_with_a_valid_geometry(script, task):
+def parse_script(script: Path, task: str):
+    """Run a paper script with a fake torchrun; returns (GPU count, algorithm name, the parsed Args)."""
     out = subprocess.run(["bash", "-c", FAKE_TORCHRUN, str(script)], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -27,8 +26,14 @@ def test_paper_command_parses_with_a_valid_geometry(script, task):
     assert argv[0] == "--nproc-per-node"
     world, path, flags = int(argv[1]), argv[2], argv[3:]
     algo = importlib.import_module(f"algos.{Path(path).stem}")
-    args = tyro.cli(algo.Args, args=flags)
+    return world, Path(path).stem, tyro.cli(algo.Args, args=flags)
+
+
+@pytest.mark.parametrize("task", ["pickscore", "ocr"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_paper_command_parses_with_a_valid_geometry(script, task):
+    world, name, args = parse_script(script, task)
     assert args.reward == task and args.model == "stabilityai/stable-diffusion-3.5-medium"
     common.batch_layout(args.num_prompts * args.group_size, args.grad_steps_per_epoch, world, args.micro_batch)
-    if Path(path).stem in ("crd", "dgpo"):  # whole groups per micro-batch
+    if name in ("crd", "dgpo"):  # whole groups per micro-batch
         assert args.micro_batch % args.group_size == 0

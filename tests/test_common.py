@@ -81,6 +81,48 @@ def test_sde_step_log_prob_matches_torch_normal(dynamics):
     torch.testing.assert_close(logp2, ref_logp, atol=1e-5, rtol=1e-5)
 
 
+def test_sde_step_masks_log_probs_per_row():
+    """A row whose step is deterministic (CPS with sigma_next = 0) gets log-prob 0; the other rows keep theirs."""
+    g = torch.Generator().manual_seed(2)
+    x, v, x_next = (torch.randn(3, 4, 8, 8, generator=g) for _ in range(3))
+    sigma, sigma_next = torch.tensor([0.8, 0.5, 0.6]), torch.tensor([0.6, 0.0, 0.3])
+    _, logp, mean, std = common.sde_step(x, v, sigma, sigma_next, "CPS", 0.7, x_next=x_next)
+    assert logp[1] == 0
+    for i in (0, 2):
+        ref = torch.distributions.Normal(mean[i], std[i]).log_prob(x_next[i]).mean()
+        torch.testing.assert_close(logp[i], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(logp).all()
+
+
+def test_sde_step_default_first_step_std_is_the_references():
+    """Flow-SDE at sigma = 1: flow_grpo's std is eta sqrt(1 / (1 - sigmas[1])) sqrt(|dt|) (sigma_max = sigmas[1]);
+    the default (no cap) gives exactly that, the old default cap 0.99 gave 1.89x it on SD3.5's 10-step schedule."""
+    s1, eta = 3 * 0.9 / (1 + 2 * 0.9), 0.7  # SD3.5's second sigma at 10 steps (shift 3)
+    x = v = torch.zeros(1, 4, 2, 2)
+    ref = eta * math.sqrt(1 / (1 - s1)) * math.sqrt(1 - s1)
+    assert common.sde_step(x, v, 1.0, s1, "Flow-SDE", eta)[3].item() == pytest.approx(ref, rel=1e-5)
+    assert common.sde_step(x, v, 1.0, s1, "Flow-SDE", eta, sigma_cap=s1)[3].item() == pytest.approx(ref, rel=1e-5)
+    ratio = common.sde_step(x, v, 1.0, s1, "Flow-SDE", eta, sigma_cap=0.99)[3].item() / ref
+    assert ratio == pytest.approx(1.89, abs=0.005)
+    # below sigma = 1 nothing is capped
+    assert common.sde_step(x, v, 0.9, 0.8, "Flow-SDE", eta)[3].item() == pytest.approx(_paper_std("Flow-SDE", 0.9, 0.8, eta), rel=1e-5)
+
+
+def test_mse_log_prob_is_the_cps_surrogate():
+    """log_prob_form="mse": -mean (x' - mu)^2; its log-ratios are the Gaussian ones times 2 std^2."""
+    g = torch.Generator().manual_seed(5)
+    x, v, v2, z = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(4))
+    x_next, _, mean, std = common.sde_step(x, v, 0.7, 0.5, "CPS", 0.8, noise=z)
+    _, mse, _, _ = common.sde_step(x, v, 0.7, 0.5, "CPS", 0.8, x_next=x_next, log_prob_form="mse")
+    torch.testing.assert_close(mse, -((x_next - mean) ** 2).mean(dim=(1, 2, 3)))
+    _, mse2, _, _ = common.sde_step(x, v2, 0.7, 0.5, "CPS", 0.8, x_next=x_next, log_prob_form="mse")
+    _, gauss, _, _ = common.sde_step(x, v, 0.7, 0.5, "CPS", 0.8, x_next=x_next)
+    _, gauss2, _, _ = common.sde_step(x, v2, 0.7, 0.5, "CPS", 0.8, x_next=x_next)
+    torch.testing.assert_close(mse2 - mse, (gauss2 - gauss) * 2 * std**2, atol=1e-5, rtol=1e-5)
+    with pytest.raises(common.UserError):
+        common.sde_step(x, v, 0.7, 0.5, "CPS", 0.8, x_next=x_next, log_prob_form="nope")
+
+
 def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     """GRPO's old log-probs come from the rollout; re-scoring the stored trajectory must give them back exactly."""
     enc = common.PromptEncoder(pipe)
@@ -131,7 +173,7 @@ def _np_advantages(r, k, std, loo, clip):
     for g in range(r.shape[0]):
         for i in range(k):
             base = (r[g].sum() - r[g, i]) / (k - 1) if loo else r[g].mean()
-            scale = {"group": r[g].std(), "global": r.std(), "none": 1.0}[std]
+            scale = {"group": r[g].std() + 1e-4, "global": r.std() + 1e-4, "none": 1.0}[std]  # flow_grpo's + 1e-4
             out[g, i] = 0.0 if r[g].std() < 1e-8 else (r[g, i] - base) / scale
     return np.clip(out, -clip, clip).ravel() if clip else out.ravel()
 
@@ -146,6 +188,18 @@ def test_group_advantages_match_numpy(std, loo, clip):
     adv = common.group_advantages(torch.tensor(r), 4, std=std, leave_one_out=loo, clip=clip)
     np.testing.assert_allclose(adv.numpy(), _np_advantages(r, 4, std, loo, clip), atol=1e-6)
     assert torch.isfinite(adv).all() and (adv[4:8] == 0).all()
+
+
+def test_near_flat_group_gets_near_zero_advantages():
+    """Rewards equal up to float32 rounding must not become +-1 advantages (a 1e-8 floor made them exactly that)."""
+    base = torch.tensor([0.7, 0.7, 0.7, 0.7, 0.1, 0.9, 0.4, 0.6])
+    r = base.clone()
+    r[1] = torch.nextafter(r[1], torch.tensor(1.0))  # one float32 ulp (6e-8) apart
+    adv = common.group_advantages(r, 4)
+    assert adv[:4].abs().max() < 1e-3
+    # a real spread is barely touched by the eps: std 0.29 -> relative change 3e-4
+    rest = base[4:].double()
+    torch.testing.assert_close(adv[4:].double(), (rest - rest.mean()) / (rest.std(unbiased=False) + 1e-4), atol=1e-6, rtol=0)
 
 
 def test_group_prompts_layout_and_determinism():
@@ -190,6 +244,36 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert np.array_equal(np.random.rand(3), expected_draws[1])
     assert __import__("random").random() == expected_draws[2]
     assert state["step"] == 3 and not list(path.parent.glob("*.tmp*"))
+
+
+def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
+    params = [torch.zeros(3), torch.ones(2)]
+    ema = common.EvalEMA(params, 0.9)
+    ref = [p.clone() for p in params]
+    for step in range(1, 30):
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.1 * step)
+        ema.update(step)
+        d = min(0.9, (1 + step) / (10 + step))  # flow_grpo's warm-up
+        ref = [d * r + (1 - d) * p for r, p in zip(ref, params)]
+    for e, r in zip(ema.shadow, ref):
+        torch.testing.assert_close(e, r)
+    trained = [p.clone() for p in params]
+    with ema.swapped():
+        assert all(torch.equal(p, r) for p, r in zip(params, ema.shadow))
+    assert all(torch.equal(p, t) for p, t in zip(params, trained))
+    saved = ema.state()
+    fresh = common.EvalEMA(params, 0.9)
+    fresh.load(saved)
+    assert all(torch.equal(x, y) for x, y in zip(fresh.shadow, ema.shadow))
+    fresh.load(None)  # a checkpoint written with the EMA off: restart from the weights
+    assert all(torch.equal(x, p) for x, p in zip(fresh.shadow, params))
+    off = common.EvalEMA(params, 0.0)
+    off.update(1)
+    assert off.state() is None and not off.shadow
+    with pytest.raises(common.UserError):
+        common.EvalEMA(params, 1.0)
 
 
 def test_missing_model_path_is_one_clear_line(tmp_path):

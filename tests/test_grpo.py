@@ -75,3 +75,68 @@ def test_grpo_learns_both_directions(reward, tmp_path):
     curve = [e.value for e in acc.Scalars(f"eval/{reward}")]
     assert len(curve) == 3
     assert curve[-1] - curve[0] > 0.04, curve  # fixed eval noise: a no-op update gives exactly 0
+
+
+def test_official_kl_form_is_flow_grpos_formula():
+    """flow_grpo: ||mu - mu_ref||^2 mean / (2 sigma_t^2), sigma_t = eta sqrt(s / (1 - s)) without sqrt(|dt|); the
+    exact form divides by sigma_t^2 |dt| and so is 1/|dt| times larger."""
+    g = torch.Generator().manual_seed(0)
+    x, v, v_ref = (torch.randn(2, 4, 6, 6, generator=g) for _ in range(3))
+    s, s_next, eta = 0.75, 0.6, 0.8
+    _, _, mean, std = common.sde_step(x, v, s, s_next, "Flow-SDE", eta)
+    _, _, mean_ref, _ = common.sde_step(x, v_ref, s, s_next, "Flow-SDE", eta)
+    sigma_t = eta * np.sqrt(s / (1 - s))
+    ref = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)
+    torch.testing.assert_close(grpo.step_kl(mean, mean_ref, std, s_next - s, "official"), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grpo.step_kl(mean, mean_ref, std, s_next - s, "exact"), ref / (s - s_next), atol=1e-6, rtol=1e-5)
+
+
+def test_guard_log_ratio_is_noise_dot_mean_shift():
+    """RatioNorm, computed independently: for x' = mu_old + std z the normalised log-ratio is mean(z (mu - mu_old)), so
+    it is centred at 0 over z (the plain log-ratio is biased below 0 by ||mu - mu_old||^2 / (2 std^2))."""
+    g = torch.Generator().manual_seed(1)
+    x, v_old, v, z = (torch.randn(3, 4, 6, 6, generator=g) for _ in range(4))
+    s, s_next, eta = 0.8, 0.65, 0.7
+    x_next, old_logp, old_mean, std = common.sde_step(x, v_old, s, s_next, "Flow-SDE", eta, noise=z)
+    _, logp, mean, _ = common.sde_step(x, v, s, s_next, "Flow-SDE", eta, x_next=x_next)
+    ours = grpo.guard_log_ratio(logp, old_logp, mean, old_mean, std)
+    torch.testing.assert_close(ours, (z * (mean - old_mean)).mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-4)
+    plain = logp - old_logp  # its expectation over z is -KL < 0; RatioNorm's is exactly 0 (linear in z)
+    bias = ((mean - old_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * std**2)
+    torch.testing.assert_close(plain, ours / std - bias, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_adv_filter_averages_over_the_kept_samples_of_each_step():
+    adv = torch.tensor([0.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, -2.0, 1.0])  # 3 optimizer steps of 4
+    w = grpo.zero_adv_weights(adv, 3)
+    terms = torch.arange(12.0) + 1
+    per_step = (w * terms).view(3, 4).mean(1)  # what the loop computes: the step's mean of weighted terms
+    expected = [np.mean([2.0, 3.0]), 0.0, np.mean([9.0, 11.0, 12.0])]  # the mean over the nonzero-advantage samples
+    torch.testing.assert_close(per_step, torch.tensor(expected, dtype=torch.float32))
+    assert (w[adv == 0] == 0).all()
+
+
+def test_contiguous_window_is_a_random_run_inside_the_window():
+    window = [0, 1, 2, 3, 4]
+    gen = torch.Generator().manual_seed(0)
+    draws = [grpo.sde_window_steps(window, 3, "contiguous", gen) for _ in range(200)]
+    assert all(d == list(range(d[0], d[0] + 3)) for d in draws)
+    assert {d[0] for d in draws} == {0, 1, 2}  # every start that keeps the run inside the window
+    subset = grpo.sde_window_steps(window, 3, "subset", torch.Generator().manual_seed(0))
+    assert subset == sorted(window[i] for i in torch.randperm(5, generator=torch.Generator().manual_seed(0))[:3])
+
+
+def test_paper_options_run_end_to_end(tmp_path):
+    """GRPO-Guard + official KL + contiguous window + zero-advantage filter on CPS with the surrogate log-prob is
+    refused (Guard needs Gaussian log-probs); each combination that is allowed trains one epoch."""
+    (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
+    base = (f"--train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 --group-size 4 "
+            f"--micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --eval-every 5 --output-dir {tmp_path / 'runs'}")  # fmt: skip
+    bad = subprocess.run(f"{sys.executable} algos/grpo.py {base} --grpo-guard --log-prob-form mse", shell=True,
+                         capture_output=True, text=True, cwd=common.REPO)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --grpo-guard")
+    for flags in ("--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
+                  "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3"):  # fmt: skip
+        out = subprocess.run(f"{sys.executable} algos/grpo.py {base} {flags}", shell=True, capture_output=True, text=True,
+                             cwd=common.REPO)  # fmt: skip
+        assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
