@@ -353,6 +353,10 @@ class EvalEMA:
     def state(self) -> Optional[list]:
         return [e.cpu() for e in self.shadow] if self.shadow else None
 
+    def export(self) -> dict:
+        """`export_lora`'s keywords: the EMA is what evaluation reports, so it is also what users get."""
+        return {"weights": self.shadow, "weights_name": f"the eval EMA (decay {self.decay})"} if self.shadow else {}
+
     @torch.no_grad()
     def load(self, state: Optional[list]):
         """Restore a saved EMA; a checkpoint without one (EMA off when it was written) restarts it from the weights."""

@@ -354,7 +354,7 @@ def main(args: Args):
                 "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
                             "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
             }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger)  # the model users load
+            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:

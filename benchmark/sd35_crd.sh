@@ -5,6 +5,8 @@
 # DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/ocr or dataset/pickscore).
 # Evaluation follows the authors' config: 40 steps, no CFG, the trained weights themselves (no EMA).
 # Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag: reason" each:
+# Reward-adaptive KL: --kl-adaptive batch follows the reward level as the paper describes; Flow-Factory feeds the group
+# advantage (--kl-adaptive advantage), whose mean never changes (docs/crd.md, implementation detail 8).
 # DIFF --micro-batch: Flow-Factory's 8 per GPU centres over mixed prompts; 24 = one whole group (within-prompt centring)
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
@@ -26,6 +28,6 @@ torchrun --nproc-per-node 8 algos/crd.py \
   --num-train-timesteps 20 --timestep-range 0.99 --adv-clip 5 --advantage-std global \
   --crd-beta 1.0 --loss-type mse --weight-temp -1 --centering group \
   --old-model-decay 0-0.25-0.005-0.999 --sampling-model-decay 75-0.0-0.0075-0.999 \
-  --kl-beta 0.1 --kl-cfg 4.5 --reward-adaptive-kl \
+  --kl-beta 0.1 --kl-cfg 4.5 --kl-adaptive batch --kl-floor 1e-4 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0 \
   --num-epochs 1000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

@@ -309,3 +309,15 @@ def test_a_failed_push_is_one_warning_line(trained, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --push-to-hub someone/tiny-lora failed (no network)")
     assert f"hf upload someone/tiny-lora {trained.lora} ." in err[0]
+
+
+def test_eval_ema_is_what_gets_exported():
+    """With --eval-ema-decay the scripts export the EMA (what their evals report); without it, the trained weights."""
+    params = [torch.zeros(3, requires_grad=True)]
+    ema = common.EvalEMA(params, 0.9)
+    with torch.no_grad():
+        params[0].fill_(1.0)
+    ema.update(1000)
+    kwargs = ema.export()
+    assert kwargs["weights"][0].tolist() == pytest.approx([0.1] * 3) and kwargs["weights_name"] == "the eval EMA (decay 0.9)"
+    assert common.EvalEMA(params, 0.0).export() == {}
