@@ -253,4 +253,15 @@ def shapes(device: Optional[torch.device] = None) -> Callable:
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
         return evaluate(images, prompts)["score"]
 
+    def check_prompts(prompts):
+        """Run before the model loads (rewards.load_rewards): every prompt parses."""
+        from common import UserError, short
+
+        for p in dict.fromkeys(prompts):
+            try:
+                parse_prompt(p)
+            except ValueError:
+                raise UserError(f"the shapes reward cannot score the prompt {short(p)} ({_GRAMMAR})") from None
+
+    fn.check_prompts = check_prompts
     return fn
