@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_group, run_script, start_script
 
 import common
+from conftest import kill_group, run_script, start_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1".split()

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
-from conftest import run_script
 
 import common
 from algos import awm, crd, dgpo, grpo, nft
+from conftest import run_script
 
 ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1".split()

@@ -3,13 +3,13 @@ GPU count, for every TASK (they cannot be run here: no GPU, no hub)."""
 
 import importlib
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import tyro
 
 import common
+from conftest import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
@@ -20,9 +20,7 @@ FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "
 @pytest.mark.parametrize("task", ["pickscore", "ocr"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_paper_command_parses_with_a_valid_geometry(script, task):
-    out = subprocess.run(["bash", "-c", FAKE_TORCHRUN, str(script)], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    out = run_script(["bash", "-c", FAKE_TORCHRUN, script], python=False, timeout=60, env={**os.environ, "TASK": task, "DATA": "/data"})
     argv = out.stdout.splitlines()
     assert argv[0] == "--nproc-per-node"
     world, path, flags = int(argv[1]), argv[2], argv[3:]
