@@ -146,6 +146,7 @@ def _truncate(run):
 
 RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piece of the one line
     "changed flag": ("nft", "--learning-rate 0.1", None, "--learning-rate is 0.003 in the run being resumed, 0.1 given"),
+    "flag given at its default": ("nft", "--num-prompts 8", None, "--num-prompts is 2 in the run being resumed, 8 given"),
     "changed bool flag": ("nft", "--no-torch-deterministic", None, "--torch-deterministic is True in the run being resumed"),
     "changed model": ("nft", "--model assets/tiny-text", None, "--model is"),
     "wrong script": ("grpo", "", None, "was written by nft.py; resume it with algos/nft.py, not grpo.py"),
