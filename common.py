@@ -14,6 +14,7 @@ Conventions, used everywhere in cleanflow:
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -805,11 +806,11 @@ def check_args(args, fresh: bool = True):
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{_flag(name)} {value}: must be a finite number")
     positive = ("num_epochs", "eval_every", "save_every", "num_prompts", "micro_batch", "grad_steps_per_epoch", "num_steps",
-                "lora_rank", "num_inner_epochs", "num_train_timesteps", "learning_rate", "lora_alpha", "max_grad_norm")  # fmt: skip
+                "lora_rank", "num_inner_epochs", "num_train_timesteps", "lora_alpha", "max_grad_norm")  # fmt: skip
     for name in positive:
         if name in fields and fields[name] <= 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
-    for name in ("keep_checkpoints", "weight_decay", "eta", "kl_beta", "adv_clip"):
+    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip"):
         if name in fields and fields[name] is not None and fields[name] < 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
@@ -1084,8 +1085,13 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
             old = root / f".tmp-old-{name}.{os.getpid()}"
             os.rename(target, old)
         os.rename(tmp, target)
-        os.symlink(name, link)
-        os.replace(link, root / "last")
+        try:
+            os.symlink(name, link)
+        except OSError as e:  # a filesystem without symlinks: no `last`, resume takes the newest epoch folder
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        else:
+            os.replace(link, root / "last")
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         link.unlink(missing_ok=True)

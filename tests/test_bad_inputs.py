@@ -26,7 +26,7 @@ SHARED = {
     "--num-prompts 0": "--num-prompts 0: must be > 0",
     "--micro-batch 0": "--micro-batch 0: must be > 0",
     "--grad-steps-per-epoch 0": "--grad-steps-per-epoch 0: must be > 0",
-    "--learning-rate=-1": "--learning-rate -1.0: must be > 0",
+    "--learning-rate=-1": "--learning-rate -1.0: must be >= 0",
     "--learning-rate nan": "--learning-rate nan: must be a finite number",
     "--num-steps 0": "--num-steps 0: must be > 0",
     "--eta=-1": "--eta -1.0: must be >= 0",

@@ -258,6 +258,10 @@ def test_checkpoints_keep_the_last_n(tmp_path):
     common.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000005", "last"]
     assert torch.equal(common.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
+    (tmp_path / "args.json").write_text("{}")  # tmp_path is now a run folder
+    common.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
+    (path.parent / "last").unlink()  # no `last` (a filesystem without symlinks): the newest epoch folder
+    assert common.load_checkpoint(tmp_path)["epoch"] == 6
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, "truncated", "pickle"])
