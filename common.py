@@ -286,7 +286,8 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]
         )
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to {type(transformer).__name__} ({first[:200]})")
+        raise UserError(f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to "
+                        f"{type(transformer).__name__} ({first[:200]})")  # fmt: skip
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
@@ -832,7 +833,8 @@ def check_args(args, fresh: bool = True):
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)")
+            raise UserError(f"--output-dir {args.output_dir}: cannot create a run folder there "
+                            f"({parent} is not a writable folder)")  # fmt: skip
 
 
 def check_resolution(model: Path, resolution: int):
@@ -877,8 +879,9 @@ def restore_args(args, saved: dict) -> dict:
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
             if name not in SAFE_OVERRIDES:
+                changeable = ", ".join(_flag(n) for n in SAFE_OVERRIDES if hasattr(args, n))
                 raise UserError(f"{_flag(name)} is {saved[name]!r} in the run being resumed, {getattr(args, name)!r} given; "
-                                f"a resumed run keeps its settings (changeable: {', '.join(_flag(n) for n in SAFE_OVERRIDES if hasattr(args, n))})")  # fmt: skip
+                                f"a resumed run keeps its settings (changeable: {changeable})")  # fmt: skip
             overrides[name] = (saved[name], getattr(args, name))
     for f in dataclasses.fields(args):
         if f.name in saved and f.name not in NOT_RESTORED and f.name not in overrides:
@@ -904,7 +907,8 @@ def start_run(args, script_file: str) -> tuple:
     run_dir, ckpt_dir = find_checkpoint(args.resume)
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt.get("algo") != algo:
-        raise UserError(f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py")
+        raise UserError(f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, "
+                        f"not {algo}.py")  # fmt: skip
     overrides = restore_args(args, ckpt["args"])
     check_args(args, fresh=False)
     if args.num_epochs <= ckpt["epoch"]:
@@ -1132,7 +1136,8 @@ def find_checkpoint(resume: str) -> tuple:
         else:  # `last` missing: the newest complete checkpoint folder
             saved = sorted(c for c in root.glob("epoch_*") if (c / STATE_FILE).is_file()) if root.is_dir() else []
             if not saved:
-                old = " (only a pickled last.pt of an older cleanflow, which is not loaded)" if (root / "last.pt").exists() else ""
+                old = (root / "last.pt").exists()
+                old = " (only a pickled last.pt of an older cleanflow, which is not loaded)" if old else ""
                 raise UserError(f"--resume {resume}: the run folder has no checkpoint{old}")
             ckpt_dir = saved[-1]
     elif (p / STATE_FILE).exists() or (p / WEIGHTS_FILE).exists():
@@ -1162,7 +1167,8 @@ def load_checkpoint(path: Path) -> dict:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - empty, truncated, garbage or pickled code: all one message
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow checkpoint") from None
+        raise UserError(f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow "
+                        "checkpoint") from None  # fmt: skip
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"checkpoint {state_file} is not a cleanflow checkpoint ({CHECKPOINT_FORMAT})")
     try:

@@ -36,7 +36,8 @@ class Args:
     """runs are written to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
     """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
-    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints may change)"""
+    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
+    --gradient-checkpointing and --device may change)"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10

@@ -89,7 +89,7 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
     return out, enc
 
 
-def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=None, python: bool = True) -> subprocess.CompletedProcess:
+def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=None, python: bool = True):
     """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group.
 
     On a timeout the whole group is killed (a script, torchrun and its ranks alike: no orphan keeps running) and the

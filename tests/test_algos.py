@@ -59,7 +59,8 @@ def test_smoke_and_exact_resume(algo, prompts):
     (a_dir,) = (prompts / "a").iterdir()
     assert json.loads((a_dir / "args.json").read_text())["num_epochs"] == 3
     assert list(a_dir.glob("events.out.tfevents.*"))
-    assert sorted(p.name for p in (a_dir / "checkpoints").iterdir()) == ["epoch_000001", "epoch_000002", "epoch_000003", "last"]
+    saved = sorted(p.name for p in (a_dir / "checkpoints").iterdir())
+    assert saved == ["epoch_000001", "epoch_000002", "epoch_000003", "last"]
     # no pickle: the trainable state is safetensors, the rest loads with weights_only=True
     assert torch.load(a_dir / "checkpoints" / "last" / "state.pt", weights_only=True)["epoch"] == 3
     a = common.load_checkpoint(a_dir)
@@ -118,24 +119,23 @@ def test_killed_or_interrupted_runs_resume_exactly(prompts):
 
 @pytest.mark.parametrize("algo", sorted(EXTRA))
 def test_two_ranks_match_one_process(algo, prompts):
-    """torchrun with 2 gloo ranks computes what one process computes for the same global batch: every draw is keyed
-    by the global sample index, each rank takes a slice of every optimizer step, gradients are averaged."""
-    flags = "--num-epochs 2 --eval-every 10 --grad-steps-per-epoch 1"
+    """torchrun with 2 gloo ranks computes bit for bit what one process computes for the same global batch: every draw
+    is keyed by the global sample index, each rank takes a slice of every optimizer step, prompts are encoded alone,
+    gradients are averaged. One backward per rank and optimizer step (one trained timestep, one micro-batch per rank):
+    with more, one process sums the gradients as ((g1 + g2) + g3) + g4 and two ranks as (g1 + g2) + (g3 + g4), which
+    differ in rounding (measured with two timesteps: 4e-6 to 7e-6 relative after two steps; README)."""
+    flags = "--num-epochs 2 --eval-every 10 --grad-steps-per-epoch 1" + ("" if algo == "grpo" else " --num-train-timesteps 1")
     run(algo, f"{flags} --output-dir {prompts / 'one'}", prompts)
-    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"algos/{algo}.py", *TINY, *EXTRA[algo].split(),
-            "--train-prompts", prompts / "train.txt", "--test-prompts", prompts / "test.txt", *flags.split(),
-            "--output-dir", prompts / "two"]  # fmt: skip
+    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"algos/{algo}.py", *TINY,
+            *EXTRA[algo].split(), "--train-prompts", prompts / "train.txt", "--test-prompts", prompts / "test.txt",
+            *flags.split(), "--output-dir", prompts / "two"]  # fmt: skip
     out = run_script(argv)
     assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
     (two_dir,) = (prompts / "two").iterdir()
     assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1
     a, b = common.load_checkpoint(next((prompts / "one").iterdir())), common.load_checkpoint(two_dir)
-    assert a["step"] == b["step"] == 2
-    # LoRA B starts at 0, so its norm is the size of the update; summation order may differ across ranks
-    keys = [k for k in a["params"] if "lora_B" in k]
-    diff = sum((a["params"][k] - b["params"][k]).pow(2).sum() for k in keys).sqrt()
-    update = sum(a["params"][k].pow(2).sum() for k in keys).sqrt()
-    assert update > 0 and diff / update < 1e-2, (diff / update).item()
+    assert a["step"] == 2 and any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did move
+    assert_same_state(a, b, algo)
 
 
 BAD_REWARD = """

@@ -126,7 +126,8 @@ def nft_run(tmp_path_factory):
     """One finished 1-epoch nft run, made in-process; tests copy it before they may touch it."""
     tmp = tmp_path_factory.mktemp("nftrun")
     (tmp / "test.txt").write_text("a red circle\ntwo squares\n")
-    argv = [*TINY, "--num-train-timesteps", "1", "--eval-every", "5", "--test-prompts", str(tmp / "test.txt"), "--output-dir", str(tmp / "runs")]
+    argv = [*TINY, "--num-train-timesteps", "1", "--eval-every", "5", "--test-prompts", str(tmp / "test.txt"),
+            "--output-dir", str(tmp / "runs")]  # fmt: skip
     common.run_main(nft.main, tyro.cli(nft.Args, args=argv), argv=argv)
     (run_dir,) = (tmp / "runs").iterdir()
     return run_dir
@@ -154,9 +155,11 @@ RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piec
     "truncated state": ("nft", "", _truncate, "cannot be read"),
     "empty weights": ("nft", "", lambda run: (run / "checkpoints" / "last" / "weights.safetensors").resolve().write_bytes(b""),
                       "weights.safetensors cannot be read"),
-    "missing state": ("nft", "", lambda run: (run / "checkpoints" / "last" / "state.pt").resolve().unlink(), "state.pt is missing"),
+    "missing state": ("nft", "", lambda run: (run / "checkpoints" / "last" / "state.pt").resolve().unlink(),
+                      "state.pt is missing"),
     "no checkpoint": ("nft", "", lambda run: shutil.rmtree(run / "checkpoints"), "the run folder has no checkpoint"),
-    "old pickle": ("nft", "", lambda run: torch.save({"epoch": 1}, run / "last.pt"), "a pickled checkpoint of an older cleanflow"),
+    "old pickle": ("nft", "", lambda run: torch.save({"epoch": 1}, run / "last.pt"),
+                   "a pickled checkpoint of an older cleanflow"),
 }
 
 
@@ -197,10 +200,10 @@ def test_second_writer_is_refused(run_copy, capsys):
 
 
 def test_resume_restores_the_saved_flags(run_copy, capsys):
-    """Only --resume and --num-epochs given: the run continues with its own flags (not the defaults), and the resume
+    """Only --resume (here one checkpoint folder of the run) and --num-epochs given: the run continues with its own flags (not the defaults), and the resume
     is appended to resumes.jsonl while args.json stays as the run began."""
     args_json = (run_copy / "args.json").read_bytes()
-    argv = ["--resume", str(run_copy), "--num-epochs", "2"]
+    argv = ["--resume", str(run_copy / "checkpoints" / "epoch_000001"), "--num-epochs", "2"]  # one checkpoint of the run
     args = tyro.cli(nft.Args, args=argv)
     common.run_main(nft.main, args, argv=argv)
     assert args.num_prompts == 2 and args.num_steps == 4 and args.num_train_timesteps == 1 and args.eval_every == 5

@@ -170,8 +170,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         opt.step()
     path = tmp_path / "ck" / "last"
     snapshot = [p.detach().clone().to(torch.bfloat16) for p in named.values()]
-    common.save_checkpoint(path, {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "epoch": 3,
-                                  "rng": common.rng_state(), "snapshots": {"ema": snapshot, "none": []}, "eval_ema": snapshot})  # fmt: skip
+    state = {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "epoch": 3, "rng": common.rng_state(),
+             "snapshots": {"ema": snapshot, "none": []}, "eval_ema": snapshot}  # fmt: skip
+    common.save_checkpoint(path, state)
     expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
     ref_weights = {n: p.detach().clone() for n, p in named.items()}
     ref_opt = copy.deepcopy(opt.state_dict())  # state_dict() holds live tensors
