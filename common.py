@@ -13,6 +13,8 @@ Conventions, used everywhere in cleanflow:
 """
 
 import contextlib
+import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -41,14 +43,30 @@ class UserError(ValueError):
     """Bad input from the user: reported as one line, without a traceback (see `run_main`)."""
 
 
-def run_main(main, args):
-    """Run `main(args)`, turning `UserError` into a one-line message and exit code 2."""
+def run_main(main, args, argv: Optional[Sequence[str]] = None):
+    """Run `main(args)`, turning `UserError` into a one-line message and exit code 2, and Ctrl-C before training
+    (while the model loads; after that `GracefulStop` handles it) into one line and exit code 130.
+
+    `argv`: the command line `args` was parsed from (default `sys.argv[1:]`); `start_run` reads from it which flags
+    were given, to compare them with a resumed run's."""
+    _CLI["argv"] = list(sys.argv[1:] if argv is None else argv)
     try:
         check_integrations(args)
         main(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        release_run_locks()
+        _CLI["argv"] = None
+
+
+def short(text: str, n: int = 80) -> str:
+    """`text` quoted, cut to `n` characters for one-line error messages."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,7 +89,7 @@ def setup_distributed(device: Optional[str] = None) -> Dist:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = check_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
@@ -280,9 +298,14 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]
     """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights)."""
     from peft import LoraConfig
 
-    transformer.add_adapter(
-        LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
-    )
+    try:
+        transformer.add_adapter(
+            LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
+        )
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to "
+                        f"{type(transformer).__name__} ({first[:200]})")  # fmt: skip
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
@@ -403,20 +426,26 @@ class PromptEncoder:
         return [m for m in (getattr(self.pipe, n, None) for n in names) if m is not None]
 
     @torch.no_grad()
+    def _encode(self, prompts: Sequence[str]):
+        """Encode `prompts` as one batch into the cache."""
+        # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
+        device = self.text_encoders()[0].device
+        if self.flux:  # returns (T5 embeds, CLIP pooled, text ids); the ids are rebuilt in `velocity`
+            e, p, _ = self.pipe.encode_prompt(list(prompts), None, device=device, max_sequence_length=self.max_sequence_length)
+        else:
+            e, _, p, _ = self.pipe.encode_prompt(
+                list(prompts), None, None, device=device, do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
+
     def __call__(self, prompts: Sequence[str]):
-        missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
-        if missing:
-            # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
-            device = self.text_encoders()[0].device
-            if self.flux:  # returns (T5 embeds, CLIP pooled, text ids); the ids are rebuilt in `velocity`
-                e, p, _ = self.pipe.encode_prompt(missing, None, device=device, max_sequence_length=self.max_sequence_length)
-            else:
-                e, _, p, _ = self.pipe.encode_prompt(
-                    missing, None, None, device=device, do_classifier_free_guidance=False,
-                    max_sequence_length=self.max_sequence_length,
-                )  # fmt: skip
-            for i, prompt in enumerate(missing):
-                self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
+        # a prompt not cached is encoded alone: the text encoders' output depends (~1e-6) on the batch it is computed in,
+        # so batching the prompts that happen to be new would make an embedding depend on the run's history and a
+        # resumed run (empty cache) drift from the uninterrupted one. Alone costs ~4 ms/prompt on tiny-text (CPU).
+        for prompt in dict.fromkeys(p for p in prompts if p not in self.cache):
+            self._encode([prompt])
         embeds = torch.stack([self.cache[p][0] for p in prompts]).to(self.device)
         pooled = torch.stack([self.cache[p][1] for p in prompts]).to(self.device)
         return embeds, pooled
@@ -426,10 +455,13 @@ class PromptEncoder:
         return e.expand(batch, -1, -1), p.expand(batch, -1)
 
     def precompute(self, prompts: Sequence[str], batch: int = 64):
-        """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`."""
+        """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`.
+
+        Called once at start with the run's whole prompt set (4000 tiny-text prompts: 2.5 s on CPU, vs 16 s one by one);
+        these embeddings differ from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume."""
         prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
-        for k in range(0, len(prompts), batch):
-            self(prompts[k : k + batch])
+        for k in range(0, len(prompts), batch):  # fixed chunks of a fixed list: the same embeddings in every run and resume
+            self._encode(prompts[k : k + batch])
 
     def offload(self):
         """Move the text encoders to the CPU (FLUX's and SD3's T5-XXL is ~9 GB in bf16), typically after `precompute`
@@ -687,8 +719,12 @@ def load_prompts(path: str) -> list:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"prompt file {path!r} not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})")
     prompts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
@@ -792,15 +828,25 @@ def seed_everything(seed: int, torch_deterministic: bool = True):
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The global RNG states as tensors and plain python values, so that they load with `torch.load(weights_only=True)`."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -816,6 +862,196 @@ def git_commit() -> str:
         return "unknown"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# runs: checks before anything loads, fresh and resumed runs, one writer per run folder
+# ----------------------------------------------------------------------------------------------------------------
+# flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
+# `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
+SAFE_OVERRIDES = ("num_epochs", "eval_every", "save_every", "keep_checkpoints", "gradient_checkpointing", "track",
+                  "wandb_project_name", "wandb_entity", "push_to_hub", "eval_num_steps", "eval_guidance_scale")  # fmt: skip
+NOT_RESTORED = ("device", "output_dir", "resume", "run_name")
+_CLI = {"argv": None}  # the command line of the current `run_main`
+_RUN = {}  # the current run: "algo" (the script's name, stored in every checkpoint), "resume_record"
+_LOCKS = {}  # run folder -> open lock file, held until `release_run_locks`
+
+
+def check_device(device: Optional[str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available to this torch ({torch.__version__}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: MPS is not available; use --device cpu")
+    return dev
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args, fresh: bool = True):
+    """The checks that need no model, on the fields the five scripts share (each script checks its own after this):
+    every bad value fails here, with one line, before anything is loaded or written."""
+    fields = vars(args)
+    for name, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{_flag(name)} {value}: must be a finite number")
+    positive = ("num_epochs", "eval_every", "save_every", "num_prompts", "micro_batch", "grad_steps_per_epoch", "num_steps",
+                "lora_rank", "num_inner_epochs", "num_train_timesteps", "lora_alpha", "max_grad_norm")  # fmt: skip
+    for name in positive:
+        if name in fields and fields[name] <= 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
+    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip"):
+        if name in fields and fields[name] is not None and fields[name] < 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
+    if fields.get("eval_num_steps") is not None and args.eval_num_steps <= 0:
+        raise UserError(f"--eval-num-steps {args.eval_num_steps}: must be > 0")
+    if fields.get("eval_guidance_scale") is not None and args.eval_guidance_scale < 1:
+        raise UserError(f"--eval-guidance-scale {args.eval_guidance_scale}: must be >= 1 (1 = no CFG)")
+    if not 0 <= fields.get("eval_ema_decay", 0) < 1:
+        raise UserError(f"--eval-ema-decay {args.eval_ema_decay}: must be in [0, 1) (0 = off)")
+    if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
+        raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
+    if "lora_targets" in fields and not args.lora_targets:
+        raise UserError("--lora-targets: name at least one module")
+    check_device(args.device)
+    model = Path(args.model).expanduser()
+    if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
+        if not (model / "model_index.json").is_file():
+            raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
+        if args.resolution is not None:
+            check_resolution(model, args.resolution)
+    elif args.resolution is not None and args.resolution <= 0:
+        raise UserError(f"--resolution {args.resolution}: must be > 0")
+    if fresh:
+        out = Path(args.output_dir).expanduser()
+        parent = out
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"--output-dir {args.output_dir}: cannot create a run folder there "
+                            f"({parent} is not a writable folder)")  # fmt: skip
+
+
+def check_resolution(model: Path, resolution: int):
+    """`load_pipeline`'s resolution check from the folder's configs alone, before the model loads."""
+    if resolution <= 0:
+        raise UserError(f"--resolution {resolution}: must be > 0")
+    try:
+        vae = json.loads((model / "vae" / "config.json").read_text())
+        transformer = json.loads((model / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # load_pipeline reports it
+    factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
+    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size", 1)
+    if resolution % (factor * patch) or resolution < factor * patch:
+        raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
+
+
+def given_flags(args) -> set:
+    """The fields the user set: named on the command line (`run_main`'s argv), or different from the defaults
+    (for a `main(args)` called in-process)."""
+    names = {f.name for f in dataclasses.fields(args)}
+    defaults = type(args)()
+    given = {n for n in names if _plain_json(getattr(args, n)) != _plain_json(getattr(defaults, n))}
+    for token in _CLI["argv"] or []:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            if name not in names and name.startswith("no_") and name[3:] in names:
+                name = name[3:]  # tyro's --no-<flag> for booleans
+            if name in names:
+                given.add(name)
+    return given
+
+
+def _plain_json(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def restore_args(args, saved: dict) -> dict:
+    """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
+    is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
+    given, overrides = given_flags(args), {}
+    for name in sorted(given - set(NOT_RESTORED)):
+        if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
+            if name not in SAFE_OVERRIDES:
+                changeable = ", ".join(_flag(n) for n in SAFE_OVERRIDES if hasattr(args, n))
+                raise UserError(f"{_flag(name)} is {saved[name]!r} in the run being resumed, {getattr(args, name)!r} given; "
+                                f"a resumed run keeps its settings (changeable: {changeable})")  # fmt: skip
+            overrides[name] = (saved[name], getattr(args, name))
+    for f in dataclasses.fields(args):
+        if f.name in saved and f.name not in NOT_RESTORED and f.name not in overrides:
+            value = saved[f.name]
+            setattr(args, f.name, tuple(value) if isinstance(value, list) else value)
+    return overrides
+
+
+def start_run(args, script_file: str) -> tuple:
+    """The first call of every script's main: checks `args`, and for `--resume` finds and loads the checkpoint,
+    checks it belongs to this script, restores the run's Args into `args` (see `restore_args`) and takes the run
+    folder's lock. Writes nothing (a fresh run's folder appears in `Logger`, once the model loaded).
+
+    Returns (run_dir, checkpoint dict or None); sets `args.run_name`."""
+    algo = Path(script_file).stem
+    _RUN.clear()
+    _RUN["algo"] = algo
+    if not args.resume:
+        check_args(args, fresh=True)
+        # the random suffix keeps runs started in the same second apart (Logger also creates the folder exclusively)
+        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
+        return Path(args.output_dir) / args.run_name, None
+    run_dir, ckpt_dir = find_checkpoint(args.resume)
+    ckpt = load_checkpoint(ckpt_dir)
+    if ckpt.get("algo") != algo:
+        raise UserError(f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, "
+                        f"not {algo}.py")  # fmt: skip
+    overrides = restore_args(args, ckpt["args"])
+    check_args(args, fresh=False)
+    if args.num_epochs <= ckpt["epoch"]:
+        raise UserError(f"{ckpt_dir} is at epoch {ckpt['epoch']}; pass --num-epochs > {ckpt['epoch']} to train on")
+    args.run_name = run_dir.name
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_run(run_dir)
+        for tmp in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed while saving
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
+    _RUN["resume_record"] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(ckpt_dir), "epoch": ckpt["epoch"],
+        "overrides": {k: {"saved": a, "now": b} for k, (a, b) in overrides.items()}, "argv": _CLI["argv"],
+    }  # fmt: skip
+    return run_dir, ckpt
+
+
+def lock_run(run_dir: Path):
+    """An exclusive lock on <run>/.lock, held while this process lives (or until `release_run_locks`): a second process
+    writing the same run would interleave checkpoints and log every scalar twice."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    if str(run_dir.resolve()) in _LOCKS:
+        return
+    try:
+        f = open(run_dir / ".lock", "a")
+    except OSError as e:
+        raise UserError(f"run folder {run_dir}: cannot open its lock file ({e.strerror})")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(f"run {run_dir} is in use by another process (its .lock is held); wait for it to end or stop it first")
+    _LOCKS[str(run_dir.resolve())] = f
+
+
+def release_run_locks():
+    while _LOCKS:
+        _LOCKS.popitem()[1].close()
+
+
 class Logger:
     """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0.
 
@@ -824,6 +1060,8 @@ class Logger:
     of every scalar and the newest grid of every image tag are kept (`last_scalars`, `last_images`) for the model card."""
 
     def __init__(self, run_dir: Path, args, enabled: bool = True):
+        """A fresh run: creates the run folder (exclusively: never someone else's), locks it, writes args.json. A resumed
+        run (`start_run` locked it): appends a record to resumes.jsonl instead, args.json stays as the run began."""
         self.enabled, self.run_dir = enabled, Path(run_dir)
         self.writer = self.wandb = None
         self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([H, W, 3] uint8 grid, captions, step)
@@ -831,10 +1069,22 @@ class Logger:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        run_dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         config["git_commit"] = git_commit()
-        (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        if getattr(args, "resume", None):
+            with open(run_dir / "resumes.jsonl", "a") as f:
+                f.write(json.dumps({**_RUN.get("resume_record", {}), "git_commit": config["git_commit"]}, default=str) + "\n")
+        else:
+            try:
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                run_dir.mkdir()
+            except FileExistsError:
+                raise UserError(f"run folder {run_dir} exists already (another run of the same name); start again")
+            except OSError as e:
+                raise UserError(f"cannot create the run folder {run_dir} ({e.strerror})")
+            lock_run(run_dir)
+            config["algo"] = _RUN.get("algo")
+            (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
         device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cpu" and (hint := busy_cpu_hint()):  # once every check passed, as training starts
             print(hint, file=sys.stderr)
@@ -875,6 +1125,7 @@ class Logger:
 
                 self.wandb.finish()
                 wandb.tensorboard.unpatch()  # finish() leaves SummaryWriter patched: a later run in this process would fail
+        release_run_locks()
 
 
 def check_integrations(args):
@@ -1060,33 +1311,179 @@ def captioned_grid(images: torch.Tensor, captions: Sequence[str], ncol: int = 8,
     return np.asarray(canvas)
 
 
-def save_checkpoint(path: Path, state: dict, keep: int = 0):
-    """Atomic: write to a temp file in the same folder, then rename, so a kill never leaves a half-written file.
+# A checkpoint is a folder <run>/checkpoints/epoch_<E>/ holding two files that load without unpickling code:
+#   weights.safetensors  every tensor, dict of tensors or list of tensors of the saved state (params, snapshots, EMAs)
+#   state.pt             the rest (optimizer, RNG states, counters, Args), loadable with torch.load(weights_only=True)
+# It is written as a .tmp-* folder and renamed into place, then <run>/checkpoints/last, a symlink, is pointed at it
+# (an atomic replace): a kill at any moment leaves `last` on a complete checkpoint. .tmp-* leftovers of a kill are
+# removed when the run resumes.
+CHECKPOINT_FORMAT = "cleanflow-checkpoint-1"
+WEIGHTS_FILE, STATE_FILE = "weights.safetensors", "state.pt"
 
-    With `keep` > 0 the save is also kept as epoch_<state["epoch"]>.pt next to `path` (a hard link: no second write)
-    and only the newest `keep` of those stay."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    if keep > 0:
-        kept = path.with_name(f"epoch_{state['epoch']:06d}.pt")
-        tmp = kept.with_name(kept.name + f".tmp{os.getpid()}")
+
+def _all_tensors(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _all_tensors(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_all_tensors(v) for v in value)
+    return False
+
+
+def _flatten(value, prefix: str, out: dict):
+    """Tensors of a nested dict/list into `out` under "prefix/key/..." names; returns the structure with the names."""
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value.detach().to("cpu", copy=True).contiguous()  # own storage: safetensors refuses shared memory
+        return prefix
+    if isinstance(value, dict):
+        return {k: _flatten(v, f"{prefix}/{k}", out) for k, v in value.items()}
+    return [_flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(value)]
+
+
+def _unflatten(layout, tensors: dict):
+    if isinstance(layout, str):
+        return tensors[layout]
+    if isinstance(layout, dict):
+        return {k: _unflatten(v, tensors) for k, v in layout.items()}
+    return [_unflatten(v, tensors) for v in layout]
+
+
+def _plain(value):
+    """What torch.load(weights_only=True) accepts: tensors, containers and python scalars (numpy -> torch/python)."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def save_checkpoint(path: Path, state: dict, keep: int = 0):
+    """Save `state` as the checkpoint folder <path's folder>/epoch_<state["epoch"]>/ and point `last` at it (see above).
+
+    `path` is <run>/checkpoints/last(.pt). Top-level entries that are tensors or dicts/lists of tensors go to
+    safetensors, whatever their name; everything else to state.pt. Keeps the newest max(keep, 1) epoch folders.
+    A failed write (disk full, file-size limit) removes what it wrote and stops the run with one line."""
+    root = Path(path).parent
+    tensors, layout, rest = {}, {}, {}
+    for key, value in state.items():
+        if key != "optimizer" and _all_tensors(value):
+            layout[key] = _flatten(value, key, tensors)
+        else:
+            rest[key] = _plain(value)
+    rest.update(format=CHECKPOINT_FORMAT, algo=_RUN.get("algo"), tensor_layout=layout)
+    name = f"epoch_{state['epoch']:06d}"
+    target, tmp, link = root / name, root / f".tmp-{name}.{os.getpid()}", root / f".tmp-last.{os.getpid()}"
+    old = None
+    try:
+        from safetensors.torch import save_file
+
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": CHECKPOINT_FORMAT})
+        torch.save(rest, tmp / STATE_FILE)
+        if target.exists():  # saved twice at one epoch (a stop after a non-finite abort): replace it
+            old = root / f".tmp-old-{name}.{os.getpid()}"
+            os.rename(target, old)
+        os.rename(tmp, target)
         try:
-            os.link(path, tmp)
-        except OSError:  # a filesystem without hard links
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, kept)
-        for old in sorted(path.parent.glob("epoch_*.pt"))[:-keep]:
-            old.unlink()
+            os.symlink(name, link)
+        except OSError as e:  # a filesystem without symlinks: no `last`, resume takes the newest epoch folder
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        else:
+            os.replace(link, root / "last")
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        link.unlink(missing_ok=True)
+        if old is not None and not target.exists():
+            os.rename(old, target)
+        if isinstance(e, Exception):  # OSError, torch's RuntimeError, SafetensorError: ENOSPC, EFBIG, EIO, ...
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"could not write the checkpoint {target} ({reason}); nothing half-written is left, "
+                            f"the previous checkpoint is intact") from None  # fmt: skip
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    saved = sorted(p for p in root.glob("epoch_*") if p.is_dir() and not p.name.startswith("."))
+    for stale in saved[: -max(keep, 1)]:
+        if stale != target:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def find_checkpoint(resume: str) -> tuple:
+    """`--resume` -> (run folder, checkpoint folder). A run folder means its newest checkpoint (`last`). A checkpoint
+    folder must sit in a run folder (<run>/checkpoints/<name>, with <run>/args.json): a copied-out checkpoint has no
+    run folder to continue, and its parent folders are not one."""
+    p = Path(resume).expanduser()
+    if not p.exists():
+        raise UserError(f"--resume {resume}: no such run folder or checkpoint")
+    if p.is_file():
+        if p.name in (WEIGHTS_FILE, STATE_FILE):
+            p = p.parent
+        elif p.suffix == ".pt":
+            raise UserError(f"--resume {resume}: a pickled checkpoint of an older cleanflow; it is not loaded (unpickling "
+                            "can run code) -- checkpoints are now folders checkpoints/epoch_<E>/")  # fmt: skip
+        else:
+            raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
+    if (p / "checkpoints").is_dir() or (p / "args.json").is_file():  # a run folder
+        run_dir, root = p, p / "checkpoints"
+        if (root / "last").is_dir():
+            ckpt_dir = root / (root / "last").resolve().name
+        else:  # `last` missing: the newest complete checkpoint folder
+            saved = sorted(c for c in root.glob("epoch_*") if (c / STATE_FILE).is_file()) if root.is_dir() else []
+            if not saved:
+                old = (root / "last.pt").exists()
+                old = " (only a pickled last.pt of an older cleanflow, which is not loaded)" if old else ""
+                raise UserError(f"--resume {resume}: the run folder has no checkpoint{old}")
+            ckpt_dir = saved[-1]
+    elif (p / STATE_FILE).exists() or (p / WEIGHTS_FILE).exists():
+        ckpt_dir, parent = p, p.absolute().parent
+        if parent.name != "checkpoints" or not (parent.parent / "args.json").is_file():
+            raise UserError(f"--resume {resume}: this checkpoint is not inside a run folder (<run>/checkpoints/<name> next to "
+                            "<run>/args.json); copy and resume the whole run folder")  # fmt: skip
+        run_dir = parent.parent
+    else:
+        raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
+    if not (run_dir / "args.json").is_file():
+        raise UserError(f"--resume {resume}: {run_dir} is not a run folder (no args.json)")
+    return run_dir, ckpt_dir
 
 
 def load_checkpoint(path: Path) -> dict:
+    """A checkpoint folder (or a run folder: its newest) -> the state dict `save_checkpoint` was given, without
+    unpickling code. Missing, truncated or foreign files fail with one line."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {str(path)!r} not found")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    if (path / "checkpoints").is_dir():
+        path = find_checkpoint(str(path))[1]
+    weights, state_file = path / WEIGHTS_FILE, path / STATE_FILE
+    for f in (state_file, weights):
+        if not f.is_file():
+            raise UserError(f"checkpoint {path}: {f.name} is missing")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - empty, truncated, garbage or pickled code: all one message
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow "
+                        "checkpoint") from None  # fmt: skip
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"checkpoint {state_file} is not a cleanflow checkpoint ({CHECKPOINT_FORMAT})")
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights))
+        for key, layout in state.pop("tensor_layout").items():
+            state[key] = _unflatten(layout, tensors)
+    except Exception as e:  # noqa: BLE001
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"checkpoint {weights} cannot be read ({reason}): truncated or corrupt") from None
+    return state
 
 
 def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: float) -> Optional[float]:

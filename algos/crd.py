@@ -5,7 +5,6 @@
 """
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -34,7 +33,9 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/*.pt files"""
+    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
+    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
+    --gradient-checkpointing and --device may change)"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
@@ -49,7 +50,7 @@ class Args:
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
-    """besides checkpoints/last.pt, keep the last N saves as checkpoints/epoch_<E>.pt (0: only last.pt)"""
+    """keep the newest N saves as checkpoints/epoch_<E>/ (at least the newest, which checkpoints/last points to)"""
     track: bool = False
     """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
     wandb_project_name: str = "cleanflow"
@@ -267,16 +268,16 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
+    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
+    run_dir, ckpt = common.start_run(args, __file__)
     dist = common.setup_distributed(args.device)
     device = dist.device
-    if args.resume:  # a run folder (its newest checkpoint) or one checkpoint file of it
-        ckpt_path = Path(args.resume) if args.resume.endswith(".pt") else Path(args.resume) / "checkpoints" / "last.pt"
-        run_dir, ckpt = ckpt_path.parent.parent, common.load_checkpoint(ckpt_path)
-        args.run_name = run_dir.name
-    else:
-        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
     common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+
+    # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
+    if args.centering == "group" and args.micro_batch % args.group_size:
+        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}) for within-prompt centring")
+    snapshot_decay(args.old_model_decay, 0), snapshot_decay(args.sampling_model_decay, 0)  # a typo fails now, not after an epoch
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -315,8 +316,6 @@ def main(args: Args):
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the "old" snapshot (implicit-reward reference) and the "sampling" snapshot (rollout policy)
-    if args.centering == "group" and args.micro_batch % args.group_size:
-        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}) for within-prompt centring")
     old_snapshot = [p.detach().clone() for p in params]
     sampling_snapshot = [p.detach().clone() for p in params]
     snapshots = {"old": old_snapshot, "sampling": sampling_snapshot}  # saved with every checkpoint

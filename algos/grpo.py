@@ -5,7 +5,6 @@
 """
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -35,7 +34,9 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/*.pt files"""
+    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
+    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
+    --gradient-checkpointing and --device may change)"""
     num_epochs: int = 40
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates (tiny-shapes: the held-out score
     peaks around epoch 40-50 and drifts down after, see docs/grpo.md)"""
@@ -51,7 +52,7 @@ class Args:
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
-    """besides checkpoints/last.pt, keep the last N saves as checkpoints/epoch_<E>.pt (0: only last.pt)"""
+    """keep the newest N saves as checkpoints/epoch_<E>/ (at least the newest, which checkpoints/last points to)"""
     track: bool = False
     """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
     wandb_project_name: str = "cleanflow"
@@ -222,18 +223,15 @@ def sde_window_steps(window: list, count: int, mode: str, generator: torch.Gener
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
+    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
+    run_dir, ckpt = common.start_run(args, __file__)
     dist = common.setup_distributed(args.device)
     device = dist.device
-    if args.resume:  # a run folder (its newest checkpoint) or one checkpoint file of it
-        ckpt_path = Path(args.resume) if args.resume.endswith(".pt") else Path(args.resume) / "checkpoints" / "last.pt"
-        run_dir, ckpt = ckpt_path.parent.parent, common.load_checkpoint(ckpt_path)
-        args.run_name = run_dir.name
-    else:
-        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir, ckpt = Path(args.output_dir) / args.run_name, None
     common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
-    # ALGO LOGIC: flag combinations that cannot work, refused before the model loads
+    # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
+    if args.dynamics == "ODE":
+        raise common.UserError("Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)")
     if args.grpo_guard and args.log_prob_form != "gaussian":
         raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
 
@@ -274,8 +272,6 @@ def main(args: Args):
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: which steps are stochastic, and the state a checkpoint must carry beyond weights and optimizer
-    if args.dynamics == "ODE":
-        raise common.UserError("Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)")
     window = list(range(args.num_steps))[slice(*args.sde_window)]
     if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
         window = [i for i in window if i < args.num_steps - 1]

@@ -5,6 +5,7 @@ dependencies themselves, so importing this package stays cheap.
 """
 
 import importlib
+import math
 from typing import Callable, Dict, Sequence
 
 import torch
@@ -44,6 +45,8 @@ def parse_reward_spec(spec: str) -> Dict[str, float]:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
             raise UserError(f"bad weight {weight!r} for reward {name!r} (expected a number, e.g. {name}:0.5)")
+        if not math.isfinite(weights[name]):
+            raise UserError(f"bad weight {weight!r} for reward {name!r} (expected a finite number, e.g. {name}:0.5)")
     return weights
 
 

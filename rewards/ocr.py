@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from common import UserError
+from common import UserError, short
 
 QUOTED = re.compile(r'"([^"]*)"')
 DET_MIN_SIDE = 256  # detection upscales images whose shorter side is below this (rapidocr: 736, 6x slower here)
@@ -39,7 +39,7 @@ def quoted_text(prompt: str) -> str:
     """The text between the first pair of double quotes; a prompt without one cannot be scored."""
     match = QUOTED.search(prompt)
     if match is None or not match.group(1).replace(" ", ""):
-        raise UserError(f'the ocr reward needs the text to write in double quotes in each prompt, got {prompt!r}')
+        raise UserError(f"the ocr reward needs the text to write in double quotes in each prompt, got {short(prompt)}")
     return match.group(1)
 
 

@@ -324,12 +324,11 @@ def shapes_clean(device: Optional[torch.device] = None) -> Callable:
 
 
 def _check_prompts(prompts) -> None:
-    """Every prompt must parse, checked before the model loads; the error shows the first bad prompt, shortened."""
-    from common import UserError
+    """Run before the model loads (rewards.load_rewards): every prompt parses; the error shows the first bad one, cut."""
+    from common import UserError, short
 
     for p in dict.fromkeys(prompts):
         try:
             parse_prompt(p)
         except ValueError:
-            short = p if len(p) <= 60 else p[:57] + "..."
-            raise UserError(f"the shapes rewards cannot score the prompt {short!r}: {_GRAMMAR}")
+            raise UserError(f"the shapes reward cannot score the prompt {short(p)} ({_GRAMMAR})") from None

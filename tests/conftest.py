@@ -1,7 +1,13 @@
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -81,3 +87,36 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
     out = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(prompts)), num_steps=steps,
                         guidance_scale=guidance_scale, noise=noise)  # fmt: skip
     return out, enc
+
+
+def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=None, python: bool = True):
+    """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group.
+
+    On a timeout the whole group is killed (a script, torchrun and its ranks alike: no orphan keeps running) and the
+    test fails saying so. With `check`, a non-zero exit fails the test with the command and the output's tail."""
+    argv = [sys.executable, *map(str, argv)] if python else [str(a) for a in argv]
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(argv)}\n{out[-1000:]}\n{err[-2000:]}")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(argv)}\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def start_script(argv, **kwargs) -> subprocess.Popen:
+    """`run_script` without waiting (for tests that signal the process); stop it with `kill_group`."""
+    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **kwargs)  # fmt: skip
+
+
+def kill_group(proc: subprocess.Popen):
+    """SIGKILL the process group of a `start_script`/`run_script` process (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

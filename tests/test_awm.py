@@ -2,17 +2,13 @@
 
 import glob
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from algos import awm
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_script
 
 
 def _rand(*shape, seed=0):
@@ -149,9 +145,7 @@ def _scalars(run_dir):
 
 
 def _run(tmp_path, flags):
-    cmd = [sys.executable, "algos/awm.py", "--output-dir", str(tmp_path / "runs"), *flags.split()]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script(["algos/awm.py", "--output-dir", tmp_path / "runs", *flags.split()])
     (run_dir,) = (tmp_path / "runs").iterdir()
     return _scalars(run_dir)
 

@@ -3,13 +3,13 @@ GPU count, for every TASK (they cannot be run here: no GPU, no hub)."""
 
 import importlib
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import tyro
 
 import common
+from conftest import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
@@ -19,9 +19,8 @@ FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "
 
 def parse_script(script: Path, task: str):
     """Run a paper script with a fake torchrun; returns (GPU count, algorithm name, the parsed Args)."""
-    out = subprocess.run(["bash", "-c", FAKE_TORCHRUN, str(script)], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    out = run_script(["bash", "-c", FAKE_TORCHRUN, script], python=False, timeout=60,
+                     env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
     argv = out.stdout.splitlines()
     assert argv[0] == "--nproc-per-node"
     world, path, flags = int(argv[1]), argv[2], argv[3:]

@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -221,8 +222,11 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         opt.zero_grad()
         model(torch.randn(5, 4)).pow(2).sum().backward()
         opt.step()
-    path = tmp_path / "ck" / "state.pt"
-    common.save_checkpoint(path, {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "rng": common.rng_state()})
+    path = tmp_path / "ck" / "last"
+    snapshot = [p.detach().clone().to(torch.bfloat16) for p in named.values()]
+    state = {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "epoch": 3, "rng": common.rng_state(),
+             "snapshots": {"ema": snapshot, "none": []}, "eval_ema": snapshot}  # fmt: skip
+    common.save_checkpoint(path, state)
     expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
     ref_weights = {n: p.detach().clone() for n, p in named.items()}
     ref_opt = copy.deepcopy(opt.state_dict())  # state_dict() holds live tensors
@@ -243,7 +247,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert torch.equal(torch.rand(3), expected_draws[0])
     assert np.array_equal(np.random.rand(3), expected_draws[1])
     assert __import__("random").random() == expected_draws[2]
-    assert state["step"] == 3 and not list(path.parent.glob("*.tmp*"))
+    assert state["step"] == 3 and not list(path.parent.glob(".tmp*"))
+    # any dict/list of tensors, whatever its name, is stored as safetensors, bit for bit; the rest loads without pickle
+    for saved in (state["snapshots"]["ema"], state["eval_ema"]):
+        assert all(torch.equal(x, y) and x.dtype == torch.bfloat16 for x, y in zip(saved, snapshot))
+    assert state["snapshots"]["none"] == []
+    from safetensors.torch import load_file
+
+    assert set(load_file(path / "weights.safetensors")) >= {f"params/{n}" for n in named} | {"eval_ema/0", "snapshots/ema/1"}
+    assert "params" not in torch.load(path / "state.pt", weights_only=True)
 
 
 def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
@@ -325,9 +337,61 @@ def test_checkpoints_keep_the_last_n(tmp_path):
     path = tmp_path / "checkpoints" / "last.pt"
     for epoch in range(1, 6):
         common.save_checkpoint(path, {"epoch": epoch, "w": torch.full((3,), float(epoch))}, keep=2)
-    assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000004.pt", "epoch_000005.pt", "last.pt"]
-    assert common.load_checkpoint(path)["epoch"] == 5
-    assert torch.equal(common.load_checkpoint(path.parent / "epoch_000004.pt")["w"], torch.full((3,), 4.0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000004", "epoch_000005", "last"]
+    assert common.load_checkpoint(path.parent / "last")["epoch"] == 5
+    assert torch.equal(common.load_checkpoint(path.parent / "epoch_000004")["w"], torch.full((3,), 4.0))
+    common.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
+    assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000005", "last"]
+    assert torch.equal(common.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
+    (tmp_path / "args.json").write_text("{}")  # tmp_path is now a run folder
+    common.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
+    (path.parent / "last").unlink()  # no `last` (a filesystem without symlinks): the newest epoch folder
+    assert common.load_checkpoint(tmp_path)["epoch"] == 6
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 10, "truncated", "pickle"])
+def test_corrupt_checkpoint_is_one_line(tmp_path, content):
+    path = tmp_path / "checkpoints" / "last"
+    common.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3), "opt": {"lr": 0.1}})
+    state_file = path / "state.pt"
+    if content == "truncated":
+        state_file.write_bytes(state_file.read_bytes()[:100])
+    elif content == "pickle":  # code that unpickling would run: refused by weights_only
+        torch.save({"format": common.CHECKPOINT_FORMAT, "x": common.Timer()}, state_file)
+    else:
+        state_file.write_bytes(content)
+    with pytest.raises(common.UserError, match="cannot be read") as e:
+        common.load_checkpoint(path)
+    assert "\n" not in str(e.value)
+    common.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3)})
+    (path.resolve() / "weights.safetensors").write_bytes(b"\0" * 10)
+    with pytest.raises(common.UserError, match="weights.safetensors cannot be read"):
+        common.load_checkpoint(path)
+
+
+FILL_DISK = """
+import resource, signal, sys, torch
+sys.path.insert(0, {repo!r})
+import common
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing the process
+common.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a file-size limit: what a full disk looks like to a write
+common.run_main(lambda args: common.save_checkpoint({path!r}, {{"epoch": 2, "w": torch.ones(1_000_000)}}), None, argv=[])
+"""
+
+
+def test_checkpoint_write_failure_is_one_line_and_leaves_no_temp_files(tmp_path):
+    from conftest import run_script
+
+    path = tmp_path / "checkpoints" / "last"
+    script = tmp_path / "fill_disk.py"
+    script.write_text(FILL_DISK.format(repo=str(common.REPO), path=str(path)))
+    out = run_script([script], check=False, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: could not write the checkpoint") and "epoch_000002" in line
+    assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000001", "last"]  # no temp files, the old one intact
+    assert common.load_checkpoint(path)["epoch"] == 1
 
 
 KEEP_SAVING = """
@@ -336,37 +400,43 @@ sys.path.insert(0, {repo!r})
 import common
 big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # 16 MB: a write takes long enough to be killed in the middle
 for epoch in range(1, 10**6):
-    common.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch}}, keep=2)
+    common.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
 """
 
 
 def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path):
-    """SIGKILL at arbitrary moments of a write loop: last.pt is always a complete checkpoint (temp file + rename)."""
+    """SIGKILL at arbitrary moments of a write loop: `last` always points at a complete checkpoint (temp folder, rename,
+    then an atomically replaced symlink)."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    path = tmp_path / "checkpoints" / "last.pt"
+    from conftest import kill_group, start_script
+
+    path = tmp_path / "checkpoints" / "last"
     script = tmp_path / "keep_saving.py"
     script.write_text(KEEP_SAVING.format(repo=str(common.REPO), path=str(path)))
-    big = None
+    big, temps = None, 0
     for delay in (0.05, 0.13, 0.21, 0.37):
-        before = path.stat().st_mtime_ns if path.exists() else None
-        proc = subprocess.Popen([sys.executable, str(script)])
-        while not path.exists() or path.stat().st_mtime_ns == before:  # until this process has saved once
-            assert proc.poll() is None
-            time.sleep(0.01)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for ckpt in [path, *path.parent.glob("epoch_*.pt")]:  # every file is whole and from one single save
+        before = os.readlink(path) if path.is_symlink() else None
+        proc = start_script([script])
+        try:
+            while not path.is_symlink() or os.readlink(path) == before:  # until this process has saved once
+                assert proc.poll() is None
+                time.sleep(0.01)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            kill_group(proc)
+        for ckpt in [path, *path.parent.glob("epoch_*")]:  # every checkpoint is whole and from one single save
             state = common.load_checkpoint(ckpt)
             big = state["w"] - state["epoch"] if big is None else big
             torch.testing.assert_close(state["w"] - state["epoch"], big)
-        assert len(list(path.parent.glob("epoch_*.pt"))) <= 3  # the newest 2, plus at most one linked, not yet pruned
-    # the kills did land inside writes: their temp files are left behind (harmless: nothing reads them)
-    assert list(path.parent.glob("*.tmp*"))
+            assert state["meta"]["epoch"] == state["epoch"]
+        assert len(list(path.parent.glob("epoch_*"))) <= 3  # the newest 2, plus at most one not yet pruned
+        temps += len(list(path.parent.glob(".tmp-*")))
+    # the kills did land inside writes: their temp folders are left behind (removed when a run resumes)
+    assert temps
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])

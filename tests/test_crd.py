@@ -8,6 +8,7 @@ import torch
 
 import common
 from algos import crd
+from conftest import run_script
 
 
 def test_snapshot_decay_schedules():
@@ -169,14 +170,11 @@ def _eval_curve(run_root, tag):
 def test_crd_learns_both_directions(reward, tmp_path):
     """Deterministic: 8 epochs on two prompts move the held-out reward up in either direction of the JPEG task,
     so an update that does nothing or has the wrong sign fails one of the two."""
-    import subprocess
-    import sys
-
     (tmp_path / "p.txt").write_text("a red circle\na blue square and a yellow triangle\n")
     flags = (f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
              "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 8 --eval-every 4 --grad-steps-per-epoch 1 "
              f"--num-train-timesteps 4 --output-dir {tmp_path / 'runs'}")  # fmt: skip
-    subprocess.run(f"{sys.executable} algos/crd.py {flags}", shell=True, check=True, capture_output=True, cwd=crd.common.REPO)
+    run_script(["algos/crd.py", *flags.split()])
     curve = _eval_curve(tmp_path / "runs", f"eval/{reward}")
     assert len(curve) == 3
     assert curve[-1] - curve[0] > 0.04, curve  # measured: +0.10 (compressibility); eval noise is fixed, so 0 if no-op

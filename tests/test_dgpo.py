@@ -1,8 +1,6 @@
 """DGPO: loss pieces against explicit per-group loops and autograd of the paper's loss, and the script learning."""
 
 import glob
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +8,11 @@ import pytest
 import torch
 
 from algos import dgpo
+from conftest import run_script
 
 # measured (6 epochs, CFG 1): compressibility -0.739 -> -0.523 (+0.22), incompressibility 0.739 -> 0.785 (+0.05); with
 # fixed eval noise a no-op update gives exactly 0 and a wrong sign a loss in one of the two directions
 MIN_GAIN = {"jpeg_compressibility": 0.1, "jpeg_incompressibility": 0.02}
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_dsm_error_matches_numpy():
@@ -137,12 +134,11 @@ def test_dgpo_learns_both_directions(reward, tmp_path):
     direction of the JPEG task, so an update that does nothing or has the wrong sign fails one of the two."""
     (tmp_path / "test.txt").write_text("a red circle\ntwo blue squares\na green triangle above a yellow circle\n")
     cmd = (
-        f"{sys.executable} algos/dgpo.py --reward {reward} --num-epochs 6 --eval-every 6 --save-every 100 --guidance-scale 1 "
+        f"algos/dgpo.py --reward {reward} --num-epochs 6 --eval-every 6 --save-every 100 --guidance-scale 1 "
         f"--num-prompts 4 --group-size 8 --micro-batch 16 --grad-steps-per-epoch 2 --num-train-timesteps 2 "
         f"--test-prompts {tmp_path / 'test.txt'} --output-dir {tmp_path / 'runs'}"
     )
-    out = subprocess.run(cmd, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script(cmd.split())
     (run_dir,) = (tmp_path / "runs").iterdir()
     curve = _eval_curve(run_dir, f"eval/{reward}")
     assert len(curve) == 2

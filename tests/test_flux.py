@@ -2,16 +2,13 @@
 
 import copy
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import common
-from conftest import ode_sample
+from conftest import ode_sample, run_script
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
 
@@ -108,12 +105,9 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
 def test_nft_runs_on_flux(flux_pipeline_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))
-    repo = Path(__file__).resolve().parents[1]
     flags = ("--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --num-train-timesteps 2 "
              "--kl-beta 0.01 --guidance-scale 3.5 --reward jpeg_compressibility")  # kl-beta: the reference model too
     model = flux_pipeline_dirs["dev"]
-    cmd = f"{sys.executable} algos/nft.py --model {model} --train-prompts {prompts} --test-prompts {prompts} {flags}"
-    cmd += f" --output-dir {tmp_path / 'runs'}"
-    out = subprocess.run(cmd, shell=True, cwd=repo, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "final eval" in out.stdout and list((tmp_path / "runs").glob("*/checkpoints/last.pt"))
+    out = run_script(["algos/nft.py", "--model", model, "--train-prompts", prompts, "--test-prompts", prompts, *flags.split(),
+                      "--output-dir", tmp_path / "runs"])  # fmt: skip
+    assert "final eval" in out.stdout and list((tmp_path / "runs").glob("*/checkpoints/last/weights.safetensors"))

@@ -1,14 +1,12 @@
 """Flow-GRPO: PPO loss and Gaussian KL against independent computations, and a deterministic learning check."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 import common
 from algos import grpo
+from conftest import run_script
 
 
 def test_ppo_loss_matches_explicit_loop_and_gradient():
@@ -66,7 +64,7 @@ def test_grpo_learns_both_directions(reward, tmp_path):
     flags = (f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
              "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 12 --eval-every 6 --grad-steps-per-epoch 2 "
              f"--num-sde-steps 4 --output-dir {tmp_path / 'runs'}")  # fmt: skip
-    subprocess.run(f"{sys.executable} algos/grpo.py {flags}", shell=True, check=True, capture_output=True, cwd=common.REPO)
+    run_script(["algos/grpo.py", *flags.split()])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (run_dir,) = (tmp_path / "runs").iterdir()

@@ -1,16 +1,11 @@
 """DiffusionNFT: loss pieces against explicit numpy computations, the paper's optimum (Eq. 6), and a short run that learns."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from algos import nft
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_script
 
 
 def test_optimality_probability():
@@ -161,13 +156,12 @@ def test_it_learns_jpeg_compressibility(tmp_path):
     (tmp_path / "train.txt").write_text("a red circle\ntwo blue squares\n")
     (tmp_path / "test.txt").write_text("a red circle\ntwo blue squares\n" * 4)
     cmd = [
-        sys.executable, "algos/nft.py", "--reward", "jpeg_compressibility", "--train-prompts", str(tmp_path / "train.txt"),
+        "algos/nft.py", "--reward", "jpeg_compressibility", "--train-prompts", str(tmp_path / "train.txt"),
         "--test-prompts", str(tmp_path / "test.txt"), "--num-prompts", "2", "--group-size", "8", "--micro-batch", "16",
         "--num-steps", "6", "--num-train-timesteps", "2", "--num-epochs", "8", "--eval-every", "8", "--save-every", "8",
         "--seed", "1", "--output-dir", str(tmp_path / "runs"),
     ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script(cmd)
     (run_dir,) = (tmp_path / "runs").iterdir()
     before, after = _eval_curve(run_dir, "eval/jpeg_compressibility")
     assert after - before > 0.1, (before, after)

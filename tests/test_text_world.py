@@ -1,14 +1,13 @@
 """The tiny-text world and model (the OCR task): splits, renderings the OCR reads back, the shipped tokenizer spelling
 quoted words letter by letter, a base model that reads poorly but follows its prompt, and RL that raises the score."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import common
 from assets import text_world
+from conftest import run_script
 from rewards import ocr
 
 TINY_TEXT = str(common.REPO / "assets" / "tiny-text")
@@ -81,13 +80,12 @@ def test_rl_raises_the_ocr_score(tmp_path):
     words = common.load_prompts(str(TEXT_TRAIN))[:4]
     (tmp_path / "p.txt").write_text("\n".join(words) + "\n")
     cmd = [
-        sys.executable, "algos/nft.py", "--model", TINY_TEXT, "--reward", "ocr", "--train-prompts", str(tmp_path / "p.txt"),
+        "algos/nft.py", "--model", TINY_TEXT, "--reward", "ocr", "--train-prompts", str(tmp_path / "p.txt"),
         "--test-prompts", str(tmp_path / "p.txt"), "--num-prompts", "4", "--group-size", "8", "--micro-batch", "16",
         "--num-steps", "8", "--num-epochs", "4", "--eval-every", "4", "--save-every", "4", "--seed", "1",
         "--output-dir", str(tmp_path / "runs"),
     ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script(cmd, timeout=600)
     (run_dir,) = (tmp_path / "runs").iterdir()
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
