@@ -180,7 +180,7 @@ def plots(results, args, out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
-    ap.add_argument("--reward", default="shapes")
+    ap.add_argument("--reward", default="shapes_clean")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--epochs", type=int, default=None, help="override every algorithm's default num_epochs")
     ap.add_argument("--threshold", type=float, default=0.6)

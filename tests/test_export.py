@@ -97,9 +97,11 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
     (tmp_path / "no-metadata").mkdir()
     save_file(load_file(trained.lora / common.LORA_WEIGHTS), tmp_path / "no-metadata" / common.LORA_WEIGHTS)
     halved = stock_sd3(tmp_path / "no-metadata")(**call, latents=noise.clone()).images
-    assert (ours - loaded).abs().max().item() < 1e-5
-    assert (ours - base).abs().max().item() > 1e-3  # so the equality above is the LoRA's, not the base's
-    assert (ours - halved).abs().max().item() > 1e-4
+    # 1e-4: our encoder encodes each prompt alone (history-independent embeddings, exact resume), the pipeline all four
+    # together, and CLIP's output differs between those in the last float bits (measured 1.2e-5 after 10 steps)
+    assert (ours - loaded).abs().max().item() < 1e-4
+    assert (ours - base).abs().max().item() > 1e-2  # so the equality above is the LoRA's, not the base's
+    assert (ours - halved).abs().max().item() > 1e-2
 
 
 def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(trained):
