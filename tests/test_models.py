@@ -1,0 +1,119 @@
+"""Each model family (models/) against its diffusers pipeline, on tiny random pipelines built offline (tiny_families):
+our ODE sampler with the family adapter equals `Pipeline.__call__` with the same initial noise and sigmas (CFG on
+where the family has it); NFT and GRPO train a LoRA on it; the exported LoRA loads into the stock pipeline."""
+
+import importlib.util
+import inspect
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+import tiny_families
+from conftest import ode_sample, run_script
+
+PROMPTS = ["a red circle", "two blue squares", "a square"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """Each family's tiny pipeline, built and saved once per test session (the build is lazy: per family asked)."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(name):
+        if name not in built:
+            built[name] = getattr(tiny_families, name)(root / name)
+        return built[name]
+
+    return get
+
+
+# peft's LoRA layer (ours, fp32 master weights) against diffusers' loaded one: the same weights, summed in another order
+LORA_TOL = 1e-5
+# family -> (builder, pixels, CFG scale, max abs tolerance on images in [0, 1], pipeline call keywords)
+FAMILIES = {
+    # the same transformer calls in the same order (two CFG passes, as the pipeline), the same BatchNorm un-normalisation:
+    # measured 0.0 here; 1e-5 leaves room for other BLAS kernels
+    "flux2_klein": ("flux2_klein", 32, 4.0, 1e-5, {}),
+}
+
+
+def compare_with_pipeline(pipe, stock, family, steps: int = 3) -> float:
+    """Max abs difference between our ODE sampler's images and `stock.__call__`'s with the same noise and sigmas."""
+    _, pixels, guidance, tol, extra = FAMILIES[family]
+    noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance)
+    ours = common.decode(pipe, out.latents)
+    call = dict(prompt=list(PROMPTS), latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance, height=pixels,
+                width=pixels, sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(), output_type="pt", **extra)  # fmt: skip
+    if "max_sequence_length" in inspect.signature(pipe.pipe.__call__).parameters:
+        call["max_sequence_length"] = enc.max_sequence_length
+    ref = stock(**call).images
+    torch.testing.assert_close(out.sigmas, stock.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule the pipeline set
+    assert ours.shape == ref.shape
+    assert (ours - ref.flip(0)).abs().max().item() > 1e-3  # the comparison can fail: other prompts give other images
+    return (ours - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ode_sampler_matches_the_pipeline(family, family_dirs):
+    builder, pixels, _, tol, _ = FAMILIES[family]
+    pipe = common.load_pipeline(family_dirs(builder), CPU, resolution=pixels)
+    diff = compare_with_pipeline(pipe, pipe.pipe, family)
+    print(f"{family}: max abs difference {diff:.2e}")
+    assert diff <= tol
+
+
+def load_algo(name: str):
+    spec = importlib.util.spec_from_file_location(f"cleanflow_{name}", common.REPO / "algos" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(algo: str, family: str, family_dirs, tmp_path):
+    """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline)."""
+    builder, pixels, guidance, _, _ = FAMILIES[family]
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
+    module = load_algo(algo)
+    per_algo = {"nft": dict(num_train_timesteps=1), "grpo": dict(grad_steps_per_epoch=1, num_sde_steps=1)}[algo]
+    args = module.Args(model=family_dirs(builder), resolution=pixels, guidance_scale=guidance, reward="jpeg_compressibility",
+                       num_prompts=2, group_size=4, micro_batch=4, num_steps=3, num_epochs=1, train_prompts=str(tmp_path / "prompts.txt"),
+                       test_prompts=str(tmp_path / "prompts.txt"), output_dir=str(tmp_path / "runs"), **per_algo)  # fmt: skip
+    pipes, export = [], common.export_lora
+
+    def recording_export(out_dir, pipe, *a, **k):
+        pipes.append(pipe)
+        return export(out_dir, pipe, *a, **k)
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the run installs its own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "export_lora", recording_export)
+        try:
+            common.run_main(module.main, args)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir, pipes[-1]
+
+
+@pytest.mark.parametrize("algo", ["nft", "grpo"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
+    run_dir, trained = train(algo, family, family_dirs, tmp_path)
+    weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at 0: any non-zero entry is a trained update
+    if algo == "nft" and hasattr(trained.pipe, "load_lora_weights"):  # the export loads into the stock pipeline
+        stock = type(trained.pipe).from_pretrained(family_dirs(FAMILIES[family][0]))
+        stock.set_progress_bar_config(disable=True)
+        without = compare_with_pipeline(trained, stock, family)  # the trained LoRA against the base model
+        stock.load_lora_weights(str(run_dir / "lora"))
+        diff = compare_with_pipeline(trained, stock, family)
+        print(f"{family}: exported LoRA in the stock pipeline, max abs difference {diff:.2e} (without it {without:.2e})")
+        assert diff <= FAMILIES[family][3] + LORA_TOL < without

@@ -1,0 +1,58 @@
+"""Tiny random pipelines of the model families (models/), built offline from small configs and saved with
+`save_pretrained` (reference/model-families.md §1). Tokenizers cannot be downloaded here: transformers 5 tokenizer
+classes take an in-memory vocabulary, so a byte-level BPE without merges plus the family's special tokens and a
+small ChatML chat template stands in for Qwen's."""
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+def qwen_tokenizer(max_length: int = 32):
+    """Byte-level BPE with no merges (one token per byte) and Qwen's special tokens; ChatML chat template."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", model_max_length=max_length)  # fmt: skip
+    tok.chat_template = CHATML
+    return tok
+
+
+def qwen3(tok, layers: int, hidden: int = 16, causal_lm: bool = True, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)
+
+
+def flux2_klein(path):
+    """Flux2KleinPipeline (base: two-pass CFG), Qwen3 text encoder deep enough for layers 9/18/27 (hidden 16, so the
+    transformer's joint_attention_dim is 3 x 16), a 2-block VAE (factor 2) with random BatchNorm statistics."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+
+    tok = qwen_tokenizer()
+    text_encoder = qwen3(tok, layers=27)
+    torch.manual_seed(1)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )  # fmt: skip
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, mid_block_add_attention=False,
+    )  # fmt: skip
+    vae.bn.running_mean.normal_(0, 0.5)  # non-trivial statistics, so a missing un-normalisation would show
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
+    pipe.save_pretrained(path)
+    return str(path)
