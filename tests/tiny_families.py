@@ -56,3 +56,31 @@ def flux2_klein(path):
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
     pipe.save_pretrained(path)
     return str(path)
+
+
+def qwen_image(path):
+    """QwenImagePipeline: a tiny Qwen2.5-VL text encoder (its vision tower is never called for text-to-image), a 3-D
+    Wan-style VAE (factor 2) with non-trivial latents_mean/std, the released scheduler config (dynamic shift with
+    base 0.5 / max 0.9 over 256..8192 tokens, shift_terminal 0.02)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = qwen_tokenizer(max_length=256)  # the 34 dropped template tokens + the prompt fit (one token per byte)
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, max_position_embeddings=512,
+                bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1)  # fmt: skip
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **text))
+    torch.manual_seed(1)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                                              num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))  # fmt: skip
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0])  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+        shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+    QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
+    return str(path)
