@@ -84,3 +84,25 @@ def qwen_image(path):
     )  # fmt: skip
     QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
     return str(path)
+
+
+def z_image(path):
+    """ZImagePipeline: a Qwen3 text encoder (hidden_states[-2]), a FLUX.1-style VAE (factor 2, scale/shift factors),
+    Z-Image-Turbo's static shift 3."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    tok = qwen_tokenizer(max_length=64)
+    text_encoder = qwen3(tok, layers=2, causal_lm=False)
+    torch.manual_seed(1)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+    )  # fmt: skip
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=32, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
+    return str(path)
