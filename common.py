@@ -251,7 +251,8 @@ class Family:
     layout, e.g. FLUX.2's patchified, normalised latents); `tokens(latent_shape)` -> image tokens (for the shift);
     `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
     [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
-    `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the default LoRA modules."""
+    `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the default LoRA modules;
+    `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC)."""
 
     name: str
     pipelines: tuple
@@ -265,6 +266,7 @@ class Family:
     mu: Optional[Callable] = None
     load_kwargs: Callable = lambda local: {}
     lora_targets: tuple = ("to_q", "to_k", "to_v", "to_out.0")
+    scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -370,7 +372,7 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
     pipe = pipe.to(device)
-    return Model(pipe, family, pipe.transformer, pipe.scheduler, tuple(shape))
+    return Model(pipe, family, pipe.transformer, family.scheduler(pipe) if family.scheduler else pipe.scheduler, tuple(shape))
 
 
 def latent_side(resolution: Optional[int], native: int, factor: int, patch: int) -> int:
@@ -1001,7 +1003,10 @@ def check_resolution(model: Path, resolution: int):
     except (OSError, ValueError):
         return  # load_pipeline reports it
     factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
-    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size", 1)
+    if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
+        factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
+    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
         raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
 
@@ -1342,6 +1347,8 @@ def captioned_grid(images: torch.Tensor, captions: Sequence[str], ncol: int = 8,
 
     from PIL import Image, ImageDraw
 
+    if images.dim() == 5:  # video [N, F, 3, H, W]: its middle frame
+        images = images[:, images.shape[1] // 2]
     n = images.shape[0]
     ncol = min(ncol, n)
     h, w = images.shape[2] * scale, images.shape[3] * scale

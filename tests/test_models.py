@@ -12,12 +12,20 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from models import flux
+from models import flux, wan
 import tiny_families
 from conftest import ode_sample, run_script
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def few_frames():
+    """Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2) instead of 33."""
+    frames, wan.NUM_FRAMES = wan.NUM_FRAMES, 5
+    yield
+    wan.NUM_FRAMES = frames
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +55,9 @@ FAMILIES = {
     # the same batched 2B call and the pipeline's own CFG expression (its guidance_scale is ours - 1); prompts encoded alone
     # as for Qwen-Image: measured 1.2e-6
     "z_image": ("z_image", 32, 4.0, 1e-5, dict(guidance_scale=3.0, negative_prompt=[""] * len(PROMPTS))),
+    # the same two CFG passes; WanPipeline takes no sigmas (the test sets its scheduler's grid to ours) and returns
+    # video [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.8e-7
+    "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=lambda _: wan.NUM_FRAMES, negative_prompt="")),
 }
 
 
@@ -59,10 +70,17 @@ def compare_with_pipeline(pipe, stock, family, steps: int = 3) -> float:
     call = dict(prompt=list(PROMPTS), latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance, height=pixels,
                 width=pixels, sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(), output_type="pt")  # fmt: skip
     # the family's own keywords and layouts; lists copied: ZImagePipeline rewrites its prompt lists in place
-    call.update({k: v(call[k]) if callable(v) else list(v) if isinstance(v, list) else v for k, v in extra.items()})
+    call.update({k: v(call.get(k)) if callable(v) else list(v) if isinstance(v, list) else v for k, v in extra.items()})
     if "max_sequence_length" in inspect.signature(pipe.pipe.__call__).parameters:
         call["max_sequence_length"] = enc.max_sequence_length
-    ref = stock(**call).images
+    if type(stock).__name__ == "WanPipeline":  # no sigmas argument: fix its scheduler's grid to ours
+        call.pop("sigmas")
+        set_timesteps = stock.scheduler.set_timesteps
+        stock.scheduler.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n).tolist(), device=device)
+        ref = stock(**call).frames
+        del stock.scheduler.set_timesteps
+    else:
+        ref = stock(**call).images
     torch.testing.assert_close(out.sigmas, stock.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule the pipeline set
     assert ours.shape == ref.shape
     assert (ours - ref.flip(0)).abs().max().item() > 1e-3  # the comparison can fail: other prompts give other images
@@ -127,3 +145,17 @@ def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
         diff = compare_with_pipeline(trained, stock, family)
         print(f"{family}: exported LoRA in the stock pipeline, max abs difference {diff:.2e} (without it {without:.2e})")
         assert diff <= FAMILIES[family][3] + LORA_TOL < without
+
+
+def test_per_frame_video_reward_is_the_mean_over_frames():
+    """rewards.video.per_frame against a loop over frames with each frame's own prompt."""
+    from rewards import jpeg
+    from rewards.video import per_frame
+
+    fn = jpeg.jpeg_compressibility(CPU)
+    videos = torch.rand(2, 3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    videos[1, 2] = 0.5  # a flat frame compresses far better: the mean must move
+    got = per_frame(fn)(videos, ["a", "b"])
+    expected = torch.stack([torch.stack([fn(videos[i, f : f + 1], [p])[0] for f in range(3)]).mean() for i, p in enumerate("ab")])
+    torch.testing.assert_close(got, expected.float())
+    assert got.shape == (2,)

@@ -106,3 +106,26 @@ def z_image(path):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
     return str(path)
+
+
+def wan(path):
+    """WanPipeline (Wan2.1 T2V layout): UMT5 encoder (the byte-level tokenizer stands in for umt5's), a 3-D VAE with
+    one spatial-and-temporal downsampling (factors 2 and 2), FlowMatchEuler with a static shift 3 (the released
+    configs ship UniPC; models/wan.py samples with this Euler scheduler at the same flow_shift)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)
+    torch.manual_seed(0)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32,
+                                               pad_token_id=tok.pad_token_id))  # fmt: skip
+    torch.manual_seed(1)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)  # fmt: skip
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0], scale_factor_temporal=2,
+                           scale_factor_spatial=2)  # fmt: skip
+    pipe = WanPipeline(tokenizer=tok, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))  # fmt: skip
+    pipe.save_pretrained(path)
+    return str(path)
