@@ -48,6 +48,8 @@ FAMILIES = {
     # the same transformer calls in the same order (two CFG passes, as the pipeline), the same BatchNorm un-normalisation:
     # measured 0.0 here; 1e-5 leaves room for other BLAS kernels
     "flux2_klein": ("flux2_klein", 32, 4.0, 1e-5, {}),
+    # one call with the guidance embedding, as the pipeline (the negative prompt unused): measured 0.0
+    "flux2_dev": ("flux2_dev", 32, 4.0, 1e-5, {}),
     # the same calls in the same order, the CFG renormalisation included; our prompts are encoded alone (history-independent
     # embeddings) where the pipeline encodes the batch at once, which moves the text encoder's output ~1e-7: measured 2.7e-7
     "qwen_image": ("qwen_image", 32, 4.0, 1e-5, dict(latents=flux.pack_latents, guidance_scale=None, true_cfg_scale=4.0,

@@ -5,7 +5,8 @@ small ChatML chat template stands in for Qwen's."""
 
 import torch
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+          "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 
 
@@ -128,4 +129,36 @@ def wan(path):
     pipe = WanPipeline(tokenizer=tok, text_encoder=text_encoder, transformer=transformer, vae=vae,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))  # fmt: skip
     pipe.save_pretrained(path)
+    return str(path)
+
+
+def flux2_dev(path):
+    """Flux2Pipeline (guidance embedding): a Mistral-3 text encoder deep enough for layers 10/20/30 (hidden 16) whose
+    tokenizer is the byte-level one with a chat template (the real one is a PixtralProcessor; for text alone both
+    answer `apply_chat_template` the same way); transformer, VAE and scheduler as klein's."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = qwen_tokenizer(max_length=256)  # the system message (~190 bytes) and the prompt fit
+    torch.manual_seed(0)
+    text = dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  head_dim=8, image_size=16, patch_size=4)  # fmt: skip
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
+    torch.manual_seed(1)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+    )  # fmt: skip
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, mid_block_add_attention=False,
+    )  # fmt: skip
+    vae.bn.running_mean.normal_(0, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
     return str(path)
