@@ -252,7 +252,8 @@ class Family:
     `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
     [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the default LoRA modules;
-    `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC)."""
+    `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
+    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
 
     name: str
     pipelines: tuple
@@ -267,6 +268,7 @@ class Family:
     load_kwargs: Callable = lambda local: {}
     lora_targets: tuple = ("to_q", "to_k", "to_v", "to_out.0")
     scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
+    encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -528,7 +530,16 @@ class PromptEncoder:
         return embeds, extra
 
     def negative(self, batch: int):
-        e, p = self([self.negative_prompt])
+        if self.family.encode_negative is None:
+            e, p = self([self.negative_prompt])
+        else:  # encoded the family's own way, cached apart from the same text as a prompt
+            key = ("negative", self.negative_prompt)
+            if key not in self.cache:
+                with torch.no_grad():
+                    e, p = self.family.encode_negative(self.pipe, [self.negative_prompt], self.text_encoders()[0].device,
+                                                       self.max_sequence_length)  # fmt: skip
+                self.cache[key] = (e[0].to(self.cache_device), p[0].to(self.cache_device))
+            e, p = (t[None].to(self.device) for t in self.cache[key])
         return e.expand(batch, *e.shape[1:]), p.expand(batch, *p.shape[1:])
 
     def precompute(self, prompts: Sequence[str], batch: int = 64):
@@ -582,6 +593,16 @@ def vae_decode(pipe, z: torch.Tensor) -> torch.Tensor:
     vae = pipe.vae
     z = z / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
     return vae.decode(z.to(vae.dtype), return_dict=False)[0]
+
+
+def euler_scheduler(pipe):
+    """`Family.scheduler` for pipelines released with a multistep flow solver (Wan's UniPC, Sana's DPM-Solver): the
+    Euler flow-matching scheduler at the same static `flow_shift`, which the sampler's SDE steps need."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        return pipe.scheduler
+    return FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.get("flow_shift", 3.0))
 
 
 def linear_mu(config, tokens: int, num_steps: int) -> float:

@@ -55,18 +55,9 @@ def decode(pipe, z):
     return vae.decode((z * std + mean).to(vae.dtype), return_dict=False)[0].transpose(1, 2)
 
 
-def scheduler(pipe):
-    """The Euler flow-matching scheduler the sampler steps with: the pipeline's own, or one at UniPC's flow_shift."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-        return pipe.scheduler
-    return FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.get("flow_shift", 3.0))
-
-
 FAMILY = common.Family(
     name="wan", pipelines=("WanPipeline",), transformer="WanTransformer3DModel", encode=encode, velocity=velocity,
-    latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length, scheduler=scheduler,
+    latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length, scheduler=common.euler_scheduler,
     tokens=lambda shape: shape[1] * shape[2] * shape[3] // 4,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
 )  # fmt: skip

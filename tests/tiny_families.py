@@ -162,3 +162,28 @@ def flux2_dev(path):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
     return str(path)
+
+
+def sana(path):
+    """SanaPipeline: Gemma-2 text encoder (the byte-level tokenizer stands in for Gemma's), a 2-stage deep-compression
+    autoencoder (factor 2), the released DPM-Solver flow scheduler (flow_shift 3), which the family swaps for Euler."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tok = qwen_tokenizer(max_length=2048)  # the instruction (~1000 bytes) + the prompt
+    torch.manual_seed(0)
+    text_encoder = Gemma2Model(Gemma2Config(vocab_size=len(tok), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=4096,
+                                            pad_token_id=tok.pad_token_id))  # fmt: skip
+    torch.manual_seed(1)
+    transformer = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                         num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                                         cross_attention_dim=16, caption_channels=8, sample_size=16, timestep_scale=1.0)  # fmt: skip
+    vae = AutoencoderDC(latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+                        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+                        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+                        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type="conv",
+                        upsample_block_type="interpolate", scaling_factor=0.41407)  # fmt: skip
+    scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler).save_pretrained(path)
+    return str(path)
