@@ -61,6 +61,8 @@ FAMILIES = {
     # video [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.8e-7
     # one batched 2B call, as the pipeline; the negative prompt without the instruction, as the pipeline: measured 0.0
     "sana": ("sana", 32, 4.0, 1e-5, dict(use_resolution_binning=False)),
+    # the same two calls and the pipeline's CFG renormalisation; the negative prompt without the system prompt: measured 0.0
+    "lumina2": ("lumina2", 64, 4.0, 1e-5, {}),
     "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=lambda _: wan.NUM_FRAMES, negative_prompt="")),
 }
 

@@ -187,3 +187,28 @@ def sana(path):
     scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
     SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler).save_pretrained(path)
     return str(path)
+
+
+def lumina2(path):
+    """Lumina2Pipeline: Gemma-2 text encoder (hidden_states[-2], so 2 layers), a 4-block VAE (factor 8, which the
+    pipeline hard-codes), static shift 6."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tok = qwen_tokenizer(max_length=256)  # the system prompt (~160 bytes) + the prompt
+    torch.manual_seed(0)
+    text_encoder = Gemma2Model(Gemma2Config(vocab_size=len(tok), hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=512,
+                                            pad_token_id=tok.pad_token_id))  # fmt: skip
+    torch.manual_seed(1)
+    transformer = Lumina2Transformer2DModel(sample_size=4, patch_size=2, in_channels=4, hidden_size=16, num_layers=1,
+                                            num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
+                                            axes_dim_rope=(4, 2, 2), axes_lens=(512, 32, 32), cap_feat_dim=8)  # fmt: skip
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
+    Lumina2Pipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok).save_pretrained(path)
+    return str(path)
