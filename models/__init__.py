@@ -8,10 +8,10 @@ models/, so the arrows point one way: algos -> models -> common.
 
 import common
 
-from . import flux, flux2, lumina2, qwenimage, sana, sd3, wan, zimage
+from . import cogview4, flux, flux2, lumina2, qwenimage, sana, sd3, wan, zimage
 
 FAMILIES = {}
-for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2):
+for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2, cogview4):
     common.register(_module.FAMILY)
     FAMILIES.update({name: _module.FAMILY for name in _module.FAMILY.pipelines})
 

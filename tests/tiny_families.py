@@ -10,7 +10,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 
 
-def qwen_tokenizer(max_length: int = 32):
+def qwen_tokenizer(max_length: int = 32, padding_side: str = "right"):
     """Byte-level BPE with no merges (one token per byte) and Qwen's special tokens; ChatML chat template."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -19,7 +19,7 @@ def qwen_tokenizer(max_length: int = 32):
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", model_max_length=max_length)  # fmt: skip
+                         pad_token="<|endoftext|>", model_max_length=max_length, padding_side=padding_side)  # fmt: skip
     tok.chat_template = CHATML
     return tok
 
@@ -211,4 +211,34 @@ def lumina2(path):
     )  # fmt: skip
     scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
     Lumina2Pipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok).save_pretrained(path)
+    return str(path)
+
+
+def cogview4(path):
+    """CogView4Pipeline: a GLM text encoder with the byte-level tokenizer padding on the left (as GLM-4's), a 4-block
+    VAE (factor 8, CogView4's), the released scheduler config (linear time shift, dynamic)."""
+    from diffusers import AutoencoderKL, CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import GlmConfig, GlmModel
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = qwen_tokenizer(max_length=16, padding_side="left")  # as GLM-4's; 16 tokens, truncated: the pipeline's padding is ours
+    start = tok.convert_tokens_to_ids("<|im_start|>")  # a leading special token, as GLM-4's [gMASK]: "" is not empty
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", start)])
+    torch.manual_seed(0)
+    text_encoder = GlmModel(GlmConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                                      pad_token_id=tok.pad_token_id))  # fmt: skip
+    torch.manual_seed(1)
+    transformer = CogView4Transformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
+                                             num_attention_heads=2, text_embed_dim=16, time_embed_dim=8, condition_dim=4,
+                                             pos_embed_max_size=16, sample_size=8, rope_axes_dim=(4, 4))  # fmt: skip
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.0, shift_factor=0.0,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True,
+                                                time_shift_type="linear")  # fmt: skip
+    CogView4Pipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler).save_pretrained(path)
     return str(path)
