@@ -333,6 +333,8 @@ def pipeline_class(model: str) -> str:
 # hub id substring -> pipeline class, first match wins (for hub ids without a local folder)
 HUB_NAMES = (("flux.2-klein", "Flux2KleinPipeline"), ("flux.2", "Flux2Pipeline"), ("flux", "FluxPipeline"),
              ("qwen-image", "QwenImagePipeline"), ("z-image", "ZImagePipeline"), ("wan2", "WanPipeline"),
+             ("sana_sprint", "SanaSprintPipeline"), ("sana", "SanaPipeline"), ("lumina-image-2", "Lumina2Pipeline"),
+             ("cogview4", "CogView4Pipeline"),
              ("stable-diffusion-3", "StableDiffusion3Pipeline"), ("sd3", "StableDiffusion3Pipeline"))  # fmt: skip
 
 

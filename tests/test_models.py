@@ -5,6 +5,7 @@ where the family has it); NFT and GRPO train a LoRA on it; the exported LoRA loa
 import importlib.util
 import inspect
 import signal
+import types
 
 import numpy as np
 import pytest
@@ -171,3 +172,47 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
     expected = torch.stack([torch.stack([fn(videos[i, f : f + 1], [p])[0] for f in range(3)]).mean() for i, p in enumerate("ab")])
     torch.testing.assert_close(got, expected.float())
     assert got.shape == (2,)
+
+
+@pytest.mark.parametrize("hub_id,expected", [
+    ("black-forest-labs/FLUX.2-klein-4B", "Flux2KleinPipeline"), ("black-forest-labs/FLUX.2-dev", "Flux2Pipeline"),
+    ("black-forest-labs/FLUX.1-dev", "FluxPipeline"), ("Qwen/Qwen-Image-2512", "QwenImagePipeline"),
+    ("Tongyi-MAI/Z-Image-Turbo", "ZImagePipeline"), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "WanPipeline"),
+    ("stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline"),
+    ("Efficient-Large-Model/Sana_1600M_1024px_diffusers", "SanaPipeline"),
+    ("Alpha-VLLM/Lumina-Image-2.0", "Lumina2Pipeline"), ("THUDM/CogView4-6B", "CogView4Pipeline"),
+])  # fmt: skip
+def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
+    import diffusers
+
+    assert common.pipeline_class(hub_id) == expected and expected in common.FAMILIES
+    family = common.FAMILIES[expected]
+    assert hasattr(diffusers, expected) and hasattr(diffusers, family.transformer)  # names diffusers really has
+    with pytest.raises(common.UserError, match="cannot tell its family"):
+        common.pipeline_class("someone/unknown-model")
+
+
+def test_euler_scheduler_replaces_a_multistep_solver_at_its_flow_shift():
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    unipc = UniPCMultistepScheduler(flow_shift=5.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    euler = common.euler_scheduler(types.SimpleNamespace(scheduler=unipc))
+    s = np.linspace(1.0, 0.25, 4)
+    expected = np.append(5 * s / (1 + 4 * s), 0.0)  # the static shift sigma' = k s / (1 + (k - 1) s)
+    np.testing.assert_allclose(common.sigma_schedule(euler, 4).numpy(), expected, atol=1e-6)
+    own = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    assert common.euler_scheduler(types.SimpleNamespace(scheduler=own)) is own
+
+
+def test_cogview4_time_is_the_unshifted_sigma():
+    """The scheduler shifts sigma linearly with mu (sigma' = mu / (mu + 1/sigma - 1)); the transformer gets 1000 sigma."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from models import cogview4
+
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="linear", base_shift=0.25, max_shift=0.75)
+    mu = cogview4.mu(sched.config, 1024, 10)
+    assert mu == pytest.approx(0.75 * 2 + 0.25)  # 1024 tokens = 4 x 256
+    sigmas = common.sigma_schedule(sched, 10, mu=mu)[:-1].double()
+    unshifted = 1 / (1 + mu * (1 / sigmas - 1))
+    torch.testing.assert_close(unshifted, torch.linspace(1, 0.1, 10, dtype=torch.float64), atol=1e-6, rtol=0)
