@@ -552,6 +552,8 @@ class PromptEncoder:
         prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
         for k in range(0, len(prompts), batch):  # fixed chunks of a fixed list: the same embeddings in every run and resume
             self._encode(prompts[k : k + batch])
+        if self.family.encode_negative is not None:  # the negative prompt encoded the family's own way, cached too
+            self.negative(1)
 
     def offload(self):
         """Move the text encoders to the CPU (FLUX's and SD3's T5-XXL is ~9 GB in bf16), typically after `precompute`

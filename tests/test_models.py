@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import models
 from models import flux, wan
 import tiny_families
 from conftest import ode_sample, run_script
@@ -216,3 +217,19 @@ def test_cogview4_time_is_the_unshifted_sigma():
     sigmas = common.sigma_schedule(sched, 10, mu=mu)[:-1].double()
     unshifted = 1 / (1 + mu * (1 / sigmas - 1))
     torch.testing.assert_close(unshifted, torch.linspace(1, 0.1, 10, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(family_dirs):
+    """SanaPipeline encodes the negative prompt without its complex human instruction; so does `negative`, cached
+    apart from the same text used as a prompt (precompute fills both, e.g. before the encoders are offloaded)."""
+    pipe = common.load_pipeline(family_dirs("sana"), CPU, resolution=32)
+    enc = common.PromptEncoder(pipe, max_sequence_length=16)
+    enc.precompute(["a square"])
+    assert ("negative", "") in enc.cache and "" in enc.cache
+    neg, mask = enc.negative(2)
+    _, _, ref, ref_mask = pipe.encode_prompt(["a square"] * 2, do_classifier_free_guidance=True, negative_prompt="",
+                                             max_sequence_length=16, complex_human_instruction=models.sana.instruction(pipe.pipe))  # fmt: skip
+    torch.testing.assert_close(neg, ref, rtol=0, atol=0)
+    torch.testing.assert_close(mask, ref_mask, rtol=0, atol=0)
+    as_prompt = enc([""])[0][0]  # as a prompt "" gets the instruction: other embeddings of the same shape
+    assert as_prompt.shape == neg[0].shape and (as_prompt - neg[0]).abs().max() > 1e-3
