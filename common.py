@@ -251,7 +251,8 @@ class Family:
     layout, e.g. FLUX.2's patchified, normalised latents); `tokens(latent_shape)` -> image tokens (for the shift);
     `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
     [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
-    `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the default LoRA modules;
+    `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
+    the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
     `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
 

@@ -118,7 +118,8 @@ def load_algo(name: str):
 
 
 def train(algo: str, family: str, family_dirs, tmp_path):
-    """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline)."""
+    """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline, the
+    algorithm's module)."""
     builder, pixels, guidance, _, _ = FAMILIES[family]
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
     module = load_algo(algo)
@@ -141,16 +142,19 @@ def train(algo: str, family: str, family_dirs, tmp_path):
             for s, h in handlers.items():
                 signal.signal(s, h)
     (run_dir,) = (tmp_path / "runs").iterdir()
-    return run_dir, pipes[-1]
+    return run_dir, pipes[-1], module
 
 
 @pytest.mark.parametrize("algo", ["nft", "grpo"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
-    run_dir, trained = train(algo, family, family_dirs, tmp_path)
+    run_dir, trained, module = train(algo, family, family_dirs, tmp_path)
     weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at 0: any non-zero entry is a trained update
+    # the scripts' shared default targets attach to exactly the family's own list (peft skips names a model lacks)
+    targets = {t for t in module.Args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)}
+    assert targets == set(trained.family.lora_targets)
     if algo == "nft" and hasattr(trained.pipe, "load_lora_weights"):  # the export loads into the stock pipeline
         stock = type(trained.pipe).from_pretrained(family_dirs(FAMILIES[family][0]))
         stock.set_progress_bar_config(disable=True)
