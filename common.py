@@ -774,20 +774,21 @@ def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guida
 
     prompts = list(prompts) * repeats
     images, scores = [], {}
-    bar = tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress)
-    for k in range(0, len(prompts), batch):
-        chunk = prompts[k : k + batch]
-        embeds, pooled = encoder(chunk)
-        neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
-        gen = torch.Generator().manual_seed(seed + k)
-        out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps, guidance_scale=guidance_scale,
-                     generator=gen, latent_shape=getattr(pipe, "latent_shape", None), use_autocast=use_autocast)  # fmt: skip
-        imgs = decode(pipe, out.latents)
-        for name, value in reward_fn(imgs, chunk).items():
-            scores.setdefault(name, []).append(value.float().cpu())
-        images.append(imgs.cpu())
-        bar.update(len(chunk))
-    bar.close()
+    # a context manager, so that the bar is cleared before an error (e.g. a reward returning NaN) is reported
+    with tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress) as bar:
+        for k in range(0, len(prompts), batch):
+            chunk = prompts[k : k + batch]
+            embeds, pooled = encoder(chunk)
+            neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
+            gen = torch.Generator().manual_seed(seed + k)
+            out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps,
+                         guidance_scale=guidance_scale, generator=gen, latent_shape=getattr(pipe, "latent_shape", None),
+                         use_autocast=use_autocast)  # fmt: skip
+            imgs = decode(pipe, out.latents)
+            for name, value in reward_fn(imgs, chunk).items():
+                scores.setdefault(name, []).append(value.float().cpu())
+            images.append(imgs.cpu())
+            bar.update(len(chunk))
     return torch.cat(images), {k: torch.cat(v) for k, v in scores.items()}
 
 

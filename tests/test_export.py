@@ -122,7 +122,7 @@ def test_model_card_and_folder(trained):
     assert trained.exports == 1  # save_every 10 > 1 epoch: only the final save
     card = (trained.lora / "README.md").read_text()
     config = json.loads((trained.run_dir / "args.json").read_text())
-    for text in ("DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117", "| reward | `shapes` |", "the trained policy, after epoch 1",
+    for text in ("DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117", "| reward | `shapes_clean` |", "the trained policy, after epoch 1",
                  "| eval/shapes | ", "| eval/shapes_strict | ", "![samples](samples.png)", "| learning_rate | ",
                  f"Git commit: `{config['git_commit']}`", "Command: `python "):  # fmt: skip
         assert text in card, text
