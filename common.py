@@ -1498,8 +1498,10 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
         shutil.rmtree(old, ignore_errors=True)
     saved = sorted(p for p in root.glob("epoch_*") if p.is_dir() and not p.name.startswith("."))
     for stale in saved[: -max(keep, 1)]:
-        if stale != target:
-            shutil.rmtree(stale, ignore_errors=True)
+        if stale != target:  # renamed away first (atomic), so a kill mid-delete never leaves a half-deleted epoch_<E>
+            doomed = root / f".tmp-old-{stale.name}.{os.getpid()}"
+            os.rename(stale, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def find_checkpoint(resume: str) -> tuple:
