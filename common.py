@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -234,64 +234,160 @@ def cleanup_distributed():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# model: a diffusers SD3- or FLUX-family pipeline, LoRA via peft, the reference model = adapter disabled
+# model: a diffusers flow-matching pipeline (the family's differences live in models/), LoRA via peft, reference = adapter off
 # ----------------------------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
-    """Load a `StableDiffusion3Pipeline` or a `FluxPipeline` from a local folder or a hub id, frozen, in eval mode.
+@dataclass
+class Family:
+    """What one model family changes in the sampler; each `models/<family>.py` fills one (common never imports models/).
 
-    The family comes from the folder's model_index.json (`_class_name`), or for a hub id from "flux" in its name.
-    SD3: T5 (text_encoder_3) is optional; when the folder has none, the pipeline pads the text sequence with zeros.
-    `resolution` (pixels, default the model's native size) sets `pipe.latent_shape`, what the sampler draws: the
-    VAE's [C, h, w] layout for both families (FLUX packs it into 2x2 patches only inside `velocity`), and for FLUX
-    also `pipe.scheduler.image_seq_len`, which fixes its resolution-dependent shift (see `sigma_schedule`).
+    `pipe` below is the diffusers pipeline. `encode(pipe, prompts, device, max_sequence_length)` -> (embeds [B, L, D],
+    extra [B, ...]), one record per prompt: `extra` is the family's second text input, CLIP's pooled vector (SD3,
+    FLUX.1), a token mask (families with variable-length text) or an empty [B, 0]. `velocity(transformer, x, sigma [B],
+    embeds, extra, neg, guidance_scale)` -> v = eps - x0 (fp32, x's shape), CFG included; `neg` = the negative prompt's
+    (embeds, extra). `latent_shape(pipe, resolution or None)` -> what the sampler draws for one sample (the family's own
+    layout, e.g. FLUX.2's patchified, normalised latents); `tokens(latent_shape)` -> image tokens (for the shift);
+    `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
+    [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
+    `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
+    the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
+    `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
+    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
+
+    name: str
+    pipelines: tuple
+    transformer: str
+    encode: Callable
+    velocity: Callable
+    latent_shape: Callable
+    decode: Callable
+    max_sequence_length: Callable
+    tokens: Callable = lambda shape: 0
+    mu: Optional[Callable] = None
+    load_kwargs: Callable = lambda local: {}
+    lora_targets: tuple = ("to_q", "to_k", "to_v", "to_out.0")
+    scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
+    encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
+
+
+FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
+
+
+def register(family: Family):
+    for name in family.pipelines:
+        FAMILIES[name] = family
+
+
+def family_of(transformer) -> Family:
+    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays)."""
+    name = type(transformer).__name__
+    for family in FAMILIES.values():
+        if family.transformer == name:
+            return family
+    raise UserError(f"no model family for {name}; `import models` registers them ({', '.join(sorted(FAMILIES)) or 'none yet'})")
+
+
+@dataclass
+class Model:
+    """What `load_pipeline` returns: the diffusers pipeline and the state the sampler needs, kept here rather than
+    on the pipeline's objects. Attributes it does not hold (vae, text encoders, tokenizers) are the pipeline's."""
+
+    pipe: object  # the diffusers pipeline
+    family: Family
+    transformer: torch.nn.Module
+    scheduler: object
+    latent_shape: tuple  # one sample's latents as the sampler draws them, e.g. SD3 [C, h, w]
+
+    def __getattr__(self, name):  # only called for names the record does not have
+        if name == "pipe":
+            raise AttributeError(name)
+        return getattr(self.pipe, name)
+
+    def __call__(self, *args, **kwargs):
+        """The pipeline's own `__call__` (the reference the tests compare the sampler with)."""
+        return self.pipe(*args, **kwargs)
+
+    @property
+    def tokens(self) -> int:
+        return self.family.tokens(self.latent_shape)
+
+    def sigmas(self, num_steps: int, device=None) -> torch.Tensor:
+        """The sampler's sigma schedule at this model's resolution (see `sigma_schedule`)."""
+        return sigma_schedule(self.scheduler, num_steps, device, mu_for(self.family, self.scheduler, self.latent_shape, num_steps))
+
+
+def pipeline_class(model: str) -> str:
+    """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
+    local = Path(model).expanduser()
+    if (local / "model_index.json").is_file():
+        return json.loads((local / "model_index.json").read_text()).get("_class_name", "")
+    name = model.lower()
+    for key, cls in HUB_NAMES:
+        if key in name:
+            return cls
+    raise UserError(f"model {model!r}: cannot tell its family from the name; download it and pass the folder "
+                    f"(its model_index.json names the pipeline class)")  # fmt: skip
+
+
+# hub id substring -> pipeline class, first match wins (for hub ids without a local folder)
+HUB_NAMES = (("flux.2-klein", "Flux2KleinPipeline"), ("flux.2", "Flux2Pipeline"), ("flux", "FluxPipeline"),
+             ("qwen-image", "QwenImagePipeline"), ("z-image", "ZImagePipeline"), ("wan2", "WanPipeline"),
+             ("sana_sprint", "SanaSprintPipeline"), ("sana", "SanaPipeline"), ("lumina-image-2", "Lumina2Pipeline"),
+             ("cogview4", "CogView4Pipeline"),
+             ("stable-diffusion-3", "StableDiffusion3Pipeline"), ("sd3", "StableDiffusion3Pipeline"))  # fmt: skip
+
+
+def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
+    """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
+
+    The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
+    `resolution` (pixels, default the model's native size) sets the returned `Model.latent_shape`, what the sampler
+    draws, in the family's layout; the resolution-dependent shift of some families follows from it (`Model.sigmas`).
     """
     import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # importing the pipelines warns about torchvision for SD3's unused image encoder
-    try:
-        from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    finally:
-        transformers.logging.set_verbosity(verbosity)
 
     local = Path(model).expanduser()
     looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local and not (local / "model_index.json").exists():
         raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
-    if looks_local:
-        flux = json.loads((local / "model_index.json").read_text()).get("_class_name") == "FluxPipeline"
-    else:
-        flux = "flux" in model.lower()
-    kwargs = {}
-    if not flux and looks_local and not (local / "text_encoder_3").exists():
-        kwargs.update(text_encoder_3=None, tokenizer_3=None)
+    cls = pipeline_class(model)
+    if cls not in FAMILIES:
+        raise UserError(f"model {model!r}: pipeline class {cls!r} is not a supported family "
+                        f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})")  # fmt: skip
+    family = FAMILIES[cls]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # importing the pipelines warns about torchvision for SD3's unused image encoder
     try:
-        pipe = (FluxPipeline if flux else StableDiffusion3Pipeline).from_pretrained(
-            str(local) if looks_local else model, dtype=dtype, local_files_only=looks_local, **kwargs
-        )
+        import diffusers
+
+        pipeline = getattr(diffusers, cls)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    try:
+        pipe = pipeline.from_pretrained(str(local) if looks_local else model, dtype=dtype, local_files_only=looks_local,
+                                        **family.load_kwargs(local if looks_local else None))  # fmt: skip
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
     pipe.set_progress_bar_config(disable=True)
-    cfg = pipe.transformer.config
-    if flux:  # latents are packed into 2x2 patches (in_channels = 4 C); FLUX's native size is its VAE's (1024)
-        channels, patch = cfg.in_channels // 4, 2
-        latent = (resolution or pipe.vae.config.sample_size) // pipe.vae_scale_factor
-    else:
-        channels, patch = cfg.in_channels, cfg.patch_size
-        latent = cfg.sample_size if resolution is None else resolution // pipe.vae_scale_factor
-    if resolution is not None and (resolution % (pipe.vae_scale_factor * patch) or latent < patch):
-        raise UserError(f"resolution {resolution} must be a multiple of {pipe.vae_scale_factor * patch}")
-    pipe.latent_shape = (channels, latent, latent)
-    if flux:
-        pipe.scheduler.image_seq_len = (latent // 2) ** 2  # tokens per image: what FluxPipeline computes its shift mu from
+    shape = family.latent_shape(pipe, resolution)
     for m in pipe.components.values():
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
-    return pipe.to(device)
+    pipe = pipe.to(device)
+    return Model(pipe, family, pipe.transformer, family.scheduler(pipe) if family.scheduler else pipe.scheduler, tuple(shape))
+
+
+def latent_side(resolution: Optional[int], native: int, factor: int, patch: int) -> int:
+    """Latent side for `resolution` pixels (None: `native` latents) with VAE factor `factor` and transformer patch
+    `patch`; the families' shared resolution check."""
+    if resolution is None:
+        return native
+    if resolution % (factor * patch) or resolution // factor < patch:
+        raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
+    return resolution // factor
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]) -> list:
@@ -395,48 +491,34 @@ def autocast(device: torch.device, enabled: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # text, velocity, decode
 # ----------------------------------------------------------------------------------------------------------------
-def is_flux(transformer) -> bool:
-    """FLUX (`FluxTransformer2DModel`) rather than SD3: packed latents, rotary position ids, guidance embedding."""
-    return type(transformer).__name__ == "FluxTransformer2DModel"
-
-
 class PromptEncoder:
-    """Encodes prompts once and caches (embeds, pooled) per prompt; the negative prompt for CFG is "" by default.
+    """Encodes prompts once and caches (embeds, extra) per prompt; the negative prompt for CFG is "" by default.
 
-    embeds are the token embeddings the transformer attends to (SD3: CLIP-L/G + T5 concatenated; FLUX: T5 only) and
-    pooled the vector that joins the timestep embedding (SD3: both CLIPs' projections; FLUX: CLIP-L's pooled output).
-    `max_sequence_length` (T5 tokens): default 128 for SD3 and 512 (FluxPipeline's default) for FLUX, where it is
-    capped at the T5 tokenizer's own maximum. `cache_device` holds the cache (default: the transformer's device;
-    "cpu" for large prompt sets, e.g. FLUX keeps 512 x 4096 values per prompt) and lookups move it to that device.
+    embeds are the token embeddings the transformer attends to and extra the family's second text input (`Family`):
+    SD3: CLIP-L/G + T5 concatenated, and both CLIPs' pooled projections; FLUX.1: T5, and CLIP-L's pooled output;
+    families with variable-length text: their token mask, the embeddings zero-padded to the batch's longest prompt.
+    `max_sequence_length` (text tokens): the family's default (SD3 128, FLUX.1 512 capped at the T5 tokenizer's
+    maximum). `cache_device` holds the cache (default: the transformer's device; "cpu" for large prompt sets, e.g.
+    FLUX keeps 512 x 4096 values per prompt) and lookups move it to that device.
     """
 
     def __init__(self, pipe, max_sequence_length: Optional[int] = None, negative_prompt: str = "", cache_device=None):
-        self.pipe, self.flux = pipe, is_flux(pipe.transformer)
-        if self.flux:
-            self.max_sequence_length = min(max_sequence_length or 512, pipe.tokenizer_2.model_max_length)
-        else:  # without T5 the pipeline pads with zeros of this length; 1 keeps the tiny model cheap (it was trained so)
-            self.max_sequence_length = (max_sequence_length or 128) if pipe.text_encoder_3 is not None else 1
+        self.pipe, self.family = pipe.pipe, pipe.family
+        self.max_sequence_length = self.family.max_sequence_length(self.pipe, max_sequence_length)
         self.negative_prompt = negative_prompt
         self.device = pipe.transformer.device
         self.cache_device = torch.device(cache_device) if cache_device is not None else self.device
         self.cache = {}
 
     def text_encoders(self) -> list:
-        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        return [m for m in (getattr(self.pipe, n, None) for n in names) if m is not None]
+        return [m for n, m in sorted(self.pipe.components.items()) if n.startswith("text_encoder") and m is not None]
 
     @torch.no_grad()
     def _encode(self, prompts: Sequence[str]):
         """Encode `prompts` as one batch into the cache."""
         # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
         device = self.text_encoders()[0].device
-        if self.flux:  # returns (T5 embeds, CLIP pooled, text ids); the ids are rebuilt in `velocity`
-            e, p, _ = self.pipe.encode_prompt(list(prompts), None, device=device, max_sequence_length=self.max_sequence_length)
-        else:
-            e, _, p, _ = self.pipe.encode_prompt(
-                list(prompts), None, None, device=device, do_classifier_free_guidance=False,
-                max_sequence_length=self.max_sequence_length,
-            )  # fmt: skip
+        e, p = self.family.encode(self.pipe, list(prompts), device, self.max_sequence_length)  # a copy: Z-Image edits the list
         for i, prompt in enumerate(prompts):
             self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
 
@@ -446,13 +528,22 @@ class PromptEncoder:
         # resumed run (empty cache) drift from the uninterrupted one. Alone costs ~4 ms/prompt on tiny-text (CPU).
         for prompt in dict.fromkeys(p for p in prompts if p not in self.cache):
             self._encode([prompt])
-        embeds = torch.stack([self.cache[p][0] for p in prompts]).to(self.device)
-        pooled = torch.stack([self.cache[p][1] for p in prompts]).to(self.device)
-        return embeds, pooled
+        embeds = pad_stack([self.cache[p][0] for p in prompts]).to(self.device)
+        extra = pad_stack([self.cache[p][1] for p in prompts]).to(self.device)
+        return embeds, extra
 
     def negative(self, batch: int):
-        e, p = self([self.negative_prompt])
-        return e.expand(batch, -1, -1), p.expand(batch, -1)
+        if self.family.encode_negative is None:
+            e, p = self([self.negative_prompt])
+        else:  # encoded the family's own way, cached apart from the same text as a prompt
+            key = ("negative", self.negative_prompt)
+            if key not in self.cache:
+                with torch.no_grad():
+                    e, p = self.family.encode_negative(self.pipe, [self.negative_prompt], self.text_encoders()[0].device,
+                                                       self.max_sequence_length)  # fmt: skip
+                self.cache[key] = (e[0].to(self.cache_device), p[0].to(self.cache_device))
+            e, p = (t[None].to(self.device) for t in self.cache[key])
+        return e.expand(batch, *e.shape[1:]), p.expand(batch, *p.shape[1:])
 
     def precompute(self, prompts: Sequence[str], batch: int = 64):
         """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`.
@@ -462,6 +553,8 @@ class PromptEncoder:
         prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
         for k in range(0, len(prompts), batch):  # fixed chunks of a fixed list: the same embeddings in every run and resume
             self._encode(prompts[k : k + batch])
+        if self.family.encode_negative is not None:  # the negative prompt encoded the family's own way, cached too
+            self.negative(1)
 
     def offload(self):
         """Move the text encoders to the CPU (FLUX's and SD3's T5-XXL is ~9 GB in bf16), typically after `precompute`
@@ -473,98 +566,85 @@ class PromptEncoder:
             torch.cuda.empty_cache()
 
 
-def pack_latents(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> FLUX's token sequence [B, h/2 * w/2, 4 C]: each 2x2 patch becomes one token, row-major,
-    channels outermost within a token (`FluxPipeline._pack_latents`)."""
-    b, c, h, w = x.shape
-    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack per-prompt tensors, zero-padding dim 0 (text tokens) to the longest: a no-op for fixed-length families;
+    for variable-length ones the padded tokens are masked out by the mask in `extra`, padded the same way."""
+    n = max(t.shape[0] for t in tensors)
+    return torch.stack([t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])]) for t in tensors])
 
 
-def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack_latents`."""
-    b, _, d = x.shape
-    return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+def cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance: v_uncond + g (v_cond - v_uncond)."""
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
 def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
-    """One transformer call v(x, sigma | text) on latents x [B, C, h, w]. Returns fp32 [B, C, h, w].
-
-    SD3: with CFG (scale > 1 and `neg` = (embeds, pooled) of the negative prompt) a single 2B-batch call gives
-    v = v_uncond + g (v_cond - v_uncond).
-    FLUX: never two-pass CFG. FLUX.1-dev is guidance-distilled: `guidance_scale` goes into its guidance embedding
-    (FluxPipeline's `guidance_scale`, 3.5 typical) and `neg` is unused; FLUX.1-schnell has no guidance embedding and
-    ignores the scale, as FluxPipeline does. (FluxPipeline's two-pass `true_cfg_scale` is not supported.)
-    """
+    """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
+    Returns fp32 like x. `pooled` is the family's second text input (`PromptEncoder`), `neg` the negative prompt's
+    (embeds, pooled) for CFG (scale > 1); the family's own guidance mode applies (see models/<family>.py)."""
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-    dtype = transformer.dtype
-    if is_flux(transformer):
-        h, w = x.shape[-2:]
-        # position ids (0, row, col) per image token and all-zero ids for the text tokens (FluxPipeline's
-        # `_prepare_latent_image_ids` / `encode_prompt`), consumed by the rotary embedding
-        rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).view(-1, 3).to(x.device, torch.float32)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device)
-        guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
-        # FLUX takes timestep = sigma (FluxPipeline passes t / 1000) and scales it, and the guidance, by 1000 itself
-        out = transformer(
-            hidden_states=pack_latents(x).to(dtype), timestep=sigma, guidance=guidance, encoder_hidden_states=embeds.to(dtype),
-            pooled_projections=pooled.to(dtype), txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
-        )[0].float()  # fmt: skip
-        return unpack_latents(out, h, w)
-    if guidance_scale > 1.0:
-        assert neg is not None, "CFG needs the negative prompt embeddings"
-        out = transformer(
-            hidden_states=torch.cat([x, x]).to(dtype),
-            timestep=torch.cat([sigma, sigma]) * 1000,
-            encoder_hidden_states=torch.cat([neg[0], embeds]).to(dtype),
-            pooled_projections=torch.cat([neg[1], pooled]).to(dtype),
-            return_dict=False,
-        )[0].float()
-        v_uncond, v_cond = out.chunk(2)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
-    return transformer(
-        hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=embeds.to(dtype),
-        pooled_projections=pooled.to(dtype), return_dict=False,
-    )[0].float()  # fmt: skip
+    return family_of(transformer).velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale)
 
 
 @torch.no_grad()
 def decode(pipe, latents: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """Latents -> images in [0, 1], float32 [B, 3, H, W]; decoded in chunks to bound memory."""
-    vae = pipe.vae
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    out = []
-    for z in latents.split(chunk):
-        z = z / vae.config.scaling_factor + shift
-        out.append(vae.decode(z.to(vae.dtype), return_dict=False)[0].float())
+    """Latents -> images in [0, 1], float32 [B, 3, H, W] (video: [B, F, 3, H, W]); decoded in chunks to bound memory."""
+    out = [pipe.family.decode(pipe.pipe, z).float() for z in latents.split(chunk)]
     return (torch.cat(out) / 2 + 0.5).clamp(0, 1)
+
+
+def vae_decode(pipe, z: torch.Tensor) -> torch.Tensor:
+    """SD3's and FLUX.1's VAE un-normalisation and decode: z / scaling_factor + shift_factor."""
+    vae = pipe.vae
+    z = z / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
+    return vae.decode(z.to(vae.dtype), return_dict=False)[0]
+
+
+def euler_scheduler(pipe):
+    """`Family.scheduler` for pipelines released with a multistep flow solver (Wan's UniPC, Sana's DPM-Solver): the
+    Euler flow-matching scheduler at the same static `flow_shift`, which the sampler's SDE steps need."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        return pipe.scheduler
+    return FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.get("flow_shift", 3.0))
+
+
+def linear_mu(config, tokens: int, num_steps: int) -> float:
+    """FLUX.1's dynamic shift (FluxPipeline's `calculate_shift`): mu linear in the image's token count, 0.5 at 256
+    tokens (512 px), 1.15 at 4096 (1024 px), from the scheduler config's base/max values."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return tokens * slope + (base_shift - slope * base_len)
+
+
+def mu_for(family: Family, scheduler, latent_shape, num_steps: int) -> Optional[float]:
+    """The dynamic shift's mu for one sample of `latent_shape`, or None for a scheduler with a static shift."""
+    if not scheduler.config.get("use_dynamic_shifting", False):
+        return None
+    return (family.mu or linear_mu)(scheduler.config, family.tokens(tuple(latent_shape)), num_steps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the sampler
 # ----------------------------------------------------------------------------------------------------------------
-def sigma_schedule(scheduler, num_steps: int, device=None, image_seq_len: Optional[int] = None) -> torch.Tensor:
+def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] = None) -> torch.Tensor:
     """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (Flow-Factory's schedule).
 
     flow_grpo samples with diffusers' default instead (`set_timesteps(N)`: linspace from sigma 1 to the shifted
     1/1000, then the shift again): at 10 steps with shift 3 that is 1, 0.960, ..., 0.278, 0.009, 0 against
     1, 0.964, ..., 0.429, 0.250, 0 here, so its last step starts almost at the data.
 
-    SD3 has a fixed shift. FLUX's scheduler (`use_dynamic_shifting`) shifts by exp(mu) with mu linear in the image's
-    token count, as FluxPipeline's `calculate_shift`; the count is `image_seq_len`, by default the one
-    `load_pipeline` stored on the scheduler for the run's resolution."""
+    SD3 has a fixed shift. Schedulers with `use_dynamic_shifting` (FLUX.1, FLUX.2, Qwen-Image) shift by exp(mu), and the
+    family computes mu from the image's token count (`mu_for`; `Model.sigmas` passes it for the run's resolution)."""
     import copy
 
     kwargs = {}
-    cfg = scheduler.config
-    if cfg.get("use_dynamic_shifting", False):
-        seq_len = image_seq_len or getattr(scheduler, "image_seq_len", None)
-        if seq_len is None:
-            raise ValueError("a dynamically shifted schedule (FLUX) needs image_seq_len; load the pipeline with load_pipeline")
-        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
-        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
-        slope = (max_shift - base_shift) / (max_len - base_len)  # mu: 0.5 at 256 tokens (512 px), 1.15 at 4096 (1024 px)
-        kwargs["mu"] = seq_len * slope + (base_shift - slope * base_len)
+    if scheduler.config.get("use_dynamic_shifting", False):
+        if mu is None:
+            raise ValueError("a dynamically shifted schedule needs mu (common.mu_for); Model.sigmas passes it")
+        kwargs["mu"] = mu
     sched = copy.deepcopy(scheduler)  # set_timesteps mutates the scheduler; keep the pipeline's untouched
     sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
     return sched.sigmas.float()
@@ -646,7 +726,7 @@ def sample(
     `sde_steps`: the step indices that get noise (the SDE window); None = every step but the last for SDE dynamics.
     Noise is drawn on the CPU from `generator` so a seed gives the same samples on any device; a list of generators
     (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
-    Latents are [B, C, h, w] for every family (`pipe.latent_shape`; FLUX's packing happens inside `velocity`).
+    Latents are in the family's layout (`Model.latent_shape`, e.g. [B, C, h, w]; FLUX.1 packs them inside `velocity`).
     `log_prob_form`: see `sde_step`; `keep_means` also returns every step's mean.
     """
     if dynamics not in DYNAMICS:
@@ -656,8 +736,8 @@ def sample(
         shape = latent_shape or (transformer.config.in_channels, transformer.config.sample_size, transformer.config.sample_size)
         noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
-    # FLUX's shift depends on the image's token count: take it from the latents actually sampled
-    sigmas = sigma_schedule(scheduler, num_steps, device, x[0, 0].numel() // 4 if is_flux(transformer) else None)
+    # a dynamic shift depends on the image's token count: take it from the latents actually sampled
+    sigmas = sigma_schedule(scheduler, num_steps, device, mu_for(family_of(transformer), scheduler, x.shape[1:], num_steps))
     if dynamics == "ODE":
         sde_steps = []
     elif sde_steps is None:
@@ -950,7 +1030,10 @@ def check_resolution(model: Path, resolution: int):
     except (OSError, ValueError):
         return  # load_pipeline reports it
     factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
-    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size", 1)
+    if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
+        factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
+    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
         raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
 
@@ -1176,7 +1259,7 @@ def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: in
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
         state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-    type(pipe).save_lora_weights(tmp, transformer_lora_layers=state,
+    type(pipe.pipe).save_lora_weights(tmp, transformer_lora_layers=state,
                                  transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())  # fmt: skip
     umask = os.umask(0)
     os.umask(umask)
@@ -1214,10 +1297,9 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     config = asdict(args) if is_dataclass(args) else dict(vars(args))
     doc = (algo_doc or "").strip()
     algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
-    pipe_class, model = type(pipe).__name__, str(config.get("model", ""))
-    flux = is_flux(pipe.transformer)
+    pipe_class, model = type(pipe.pipe).__name__, str(config.get("model", ""))
     call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
-    no_t5 = not flux and getattr(pipe, "text_encoder_3", None) is None
+    no_t5 = pipe_class == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
     if no_t5:  # the zero padding that stands in for T5 must be as long as in training (common.PromptEncoder)
         call += ", max_sequence_length=1"
     if config.get("resolution"):
@@ -1292,6 +1374,8 @@ def captioned_grid(images: torch.Tensor, captions: Sequence[str], ncol: int = 8,
 
     from PIL import Image, ImageDraw
 
+    if images.dim() == 5:  # video [N, F, 3, H, W]: its middle frame
+        images = images[:, images.shape[1] // 2]
     n = images.shape[0]
     ncol = min(ncol, n)
     h, w = images.shape[2] * scale, images.shape[3] * scale

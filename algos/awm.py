@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import models  # noqa: E402,F401  (registers the model families with common)
 from rewards import load_rewards  # noqa: E402
 
 
@@ -266,7 +267,7 @@ def main(args: Args):
     # ALGO LOGIC: the EMA (KL trust region, optional off-policy sampler) and the trainable timestep indices
     ema = [p.detach().clone() for p in params]
     snapshots = {"ema": ema}  # saved with every checkpoint
-    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     min_index = 1 if args.skip_pure_noise else 0
     if eligible - min_index < 1:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import models  # noqa: E402,F401  (registers the model families with common)
 from rewards import load_rewards  # noqa: E402
 
 
@@ -248,7 +249,7 @@ def main(args: Args):
     # ALGO LOGIC: the "old" policy, an EMA of the trained weights: the reference of v+/v-, and the rollout policy if off_policy
     ema = [p.detach().clone() for p in params]
     snapshots = {"ema": ema}  # saved with every checkpoint
-    sigmas = common.sigma_schedule(pipe.scheduler, args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     if dist.is_main:
         print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")

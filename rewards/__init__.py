@@ -11,6 +11,7 @@ from typing import Callable, Dict, Sequence
 import torch
 
 from common import UserError
+from rewards.video import per_frame
 
 
 def _lazy(module: str, name: str) -> Callable:
@@ -60,7 +61,7 @@ class MultiReward:
     def __call__(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
         out = {}
         for name, fn in self.fns.items():
-            value = fn(images, list(prompts))
+            value = (per_frame(fn) if images.dim() == 5 else fn)(images, list(prompts))  # video [B, F, 3, H, W]: per frame
             if not isinstance(value, torch.Tensor) or value.shape != (images.shape[0],):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise UserError(f"reward {name!r} returned {shape}, expected a tensor of shape ({images.shape[0]},)")

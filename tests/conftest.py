@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import models  # noqa: F401  (registers the model families with common)
+
 REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
+from models import flux
 from conftest import ode_sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,13 +214,13 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
     ours, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance)
     stock = FluxPipeline.from_pretrained(flux_pipeline_dirs["dev"])
     stock.set_progress_bar_config(disable=True)
-    call = dict(prompt=PROMPTS, latents=common.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance,
+    call = dict(prompt=PROMPTS, latents=flux.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance,
                 height=64, width=64, max_sequence_length=enc.max_sequence_length, output_type="latent")  # fmt: skip
     base = stock(**call).images
     stock.load_lora_weights(str(out))
     loaded = stock(**call).images
-    assert (common.pack_latents(ours.latents) - loaded).abs().max().item() < 1e-5
-    assert (common.pack_latents(ours.latents) - base).abs().max().item() > 1e-3
+    assert (flux.pack_latents(ours.latents) - loaded).abs().max().item() < 1e-5
+    assert (flux.pack_latents(ours.latents) - base).abs().max().item() > 1e-3
 
 
 def read_wandb_history(path: Path) -> list:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from models import flux
 from conftest import ode_sample, run_script
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
@@ -20,11 +21,11 @@ def pipes(flux_pipeline_dirs):
 
 def test_load_pipeline_detects_flux_and_sets_the_unpacked_latent_shape(flux_pipeline_dirs, pipes):
     pipe = pipes["dev"]
-    assert type(pipe).__name__ == "FluxPipeline" and common.is_flux(pipe.transformer)
+    assert type(pipe.pipe).__name__ == "FluxPipeline" and pipe.family is flux.FAMILY
     assert pipe.latent_shape == (4, 16, 16)  # the VAE's layout; the transformer sees 8 x 8 tokens of 16 channels
-    assert pipe.scheduler.image_seq_len == 64
+    assert pipe.tokens == 64 and not hasattr(pipe.scheduler, "image_seq_len")  # the record holds it, not the scheduler
     small = common.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=32)
-    assert small.latent_shape == (4, 8, 8) and small.scheduler.image_seq_len == 16
+    assert small.latent_shape == (4, 8, 8) and small.tokens == 16
     with pytest.raises(common.UserError, match="multiple of 8"):  # VAE factor 4 x the 2x2 packing
         common.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=36)
     with pytest.raises(common.UserError, match="no such pipeline folder"):
@@ -35,9 +36,9 @@ def test_pack_latents_matches_flux_pipeline_and_inverts():
     from diffusers import FluxPipeline
 
     x = torch.randn(2, 4, 6, 8)
-    packed = common.pack_latents(x)
+    packed = flux.pack_latents(x)
     torch.testing.assert_close(packed, FluxPipeline._pack_latents(x, 2, 4, 6, 8), rtol=0, atol=0)
-    torch.testing.assert_close(common.unpack_latents(packed, 6, 8), x, rtol=0, atol=0)
+    torch.testing.assert_close(flux.unpack_latents(packed, 6, 8), x, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("variant,guidance_scale", [("dev", 3.5), ("schnell", 1.0)])
@@ -47,10 +48,10 @@ def test_ode_sampler_matches_flux_pipeline(pipes, variant, guidance_scale):
     pipe, steps = pipes[variant], 4
     noise = torch.randn(len(PROMPTS), 4, 16, 8, generator=torch.Generator().manual_seed(0))
     out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance_scale)
-    call = dict(prompt=PROMPTS, latents=common.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance_scale,
+    call = dict(prompt=PROMPTS, latents=flux.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance_scale,
                 height=64, width=32, max_sequence_length=enc.max_sequence_length)  # fmt: skip
     ref_latents = pipe(**call, output_type="latent").images
-    torch.testing.assert_close(common.pack_latents(out.latents), ref_latents, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flux.pack_latents(out.latents), ref_latents, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.sigmas, pipe.scheduler.sigmas, atol=1e-6, rtol=0)  # the schedule the pipeline set
     ref = pipe(**call, output_type="pt").images
     ours = common.decode(pipe, out.latents)
@@ -76,7 +77,9 @@ def test_dynamic_shift_is_flux_time_shift_of_the_token_count(pipes):
     sched, s = pipes["dev"].scheduler, np.linspace(1.0, 0.1, 10)
     for tokens, mu in ((256, 0.5), (4096, 1.15), (64, 0.5 - 0.65 * 192 / 3840)):
         expected = np.append(math.exp(mu) * s / (math.exp(mu) * s + 1 - s), 0.0)
-        got = common.sigma_schedule(sched, 10, image_seq_len=tokens if tokens != 64 else None)  # 64: stored by load_pipeline
+        got = common.sigma_schedule(sched, 10, mu=common.linear_mu(sched.config, tokens, 10))
+        if tokens == 64:  # the model's own resolution (16 x 16 latents)
+            torch.testing.assert_close(pipes["dev"].sigmas(10), got, rtol=0, atol=0)
         np.testing.assert_allclose(got.numpy(), expected, atol=1e-6)
 
 

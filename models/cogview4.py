@@ -1,0 +1,67 @@
+"""CogView4 (CogView4Pipeline): what differs from SD3.
+
+Text: GLM-4 `hidden_states[-2]`, left-padded with pad tokens to a multiple of 16, no mask, no pooled vector (extra =
+[B, 0]). The pipeline pads a batch to its longest prompt, so a prompt's embedding depends on its batch; we pad every
+prompt to `max_sequence_length` rounded up to 16 (what the pipeline gives for a batch whose longest prompt has that
+length), which keeps embeddings history-independent. SDXL-style micro-conditioning: original = target size = the
+image's pixels (8 x the latents: CogView4's VAE), crop (0, 0). Shift: mu = 0.75 sqrt(tokens / 256) + 0.25 applied as
+the scheduler's linear time shift sigma' = mu / (mu + 1/sigma - 1); the transformer is conditioned on the *unshifted*
+time (the pipeline passes its unshifted grid as timesteps), so `velocity` inverts the shift: t = 1000 / (1 + mu (1/sigma'
+- 1)). Two-pass CFG, as the pipeline.
+"""
+
+import torch
+
+import common
+
+VAE_FACTOR = 8  # CogView4-6B's VAE: the micro-conditioning sizes are in pixels
+SHIFT = dict(base_image_seq_len=256, base_shift=0.25, max_shift=0.75)  # the released scheduler config (and the pipeline's defaults)
+
+
+def mu(config, tokens, num_steps):
+    """CogView4Pipeline's `calculate_shift`: mu = max_shift sqrt(tokens / base) + base_shift."""
+    cfg = {k: config.get(k, v) for k, v in SHIFT.items()}
+    return (tokens / cfg["base_image_seq_len"]) ** 0.5 * cfg["max_shift"] + cfg["base_shift"]
+
+
+def encode(pipe, prompts, device, max_sequence_length):
+    length = -(-max_sequence_length // 16) * 16
+    ids = pipe.tokenizer(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True,
+                         padding_side="left", return_tensors="pt").input_ids  # fmt: skip
+    e = pipe.text_encoder(ids.to(device), output_hidden_states=True).hidden_states[-2].to(pipe.text_encoder.dtype)
+    return e, e.new_zeros(e.shape[0], 0)
+
+
+def max_sequence_length(pipe, requested):
+    return min(requested or 128, pipe.tokenizer.model_max_length)
+
+
+def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
+    dtype, (b, _, h, w) = transformer.dtype, x.shape
+    m = mu({}, h * w // transformer.config.patch_size**2, 0)
+    t = 1000 / (1 + m * (1 / sigma - 1))  # the unshifted time of sigma
+    size = torch.tensor([[h * VAE_FACTOR, w * VAE_FACTOR]], dtype=dtype, device=x.device).expand(b, 2)
+    crop = torch.zeros(b, 2, dtype=dtype, device=x.device)
+
+    def call(e):
+        return transformer(hidden_states=x.to(dtype), encoder_hidden_states=e.to(dtype), timestep=t, original_size=size,
+                           target_size=size, crop_coords=crop, return_dict=False)[0].float()  # fmt: skip
+
+    v = call(embeds)
+    if guidance_scale > 1.0:
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        v = common.cfg(call(neg[0]), v, guidance_scale)
+    return v
+
+
+def latent_shape(pipe, resolution):
+    cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
+    side = common.latent_side(resolution or cfg.sample_size * factor, 0, factor, cfg.patch_size)
+    return cfg.in_channels, side, side
+
+
+FAMILY = common.Family(
+    name="cogview4", pipelines=("CogView4Pipeline",), transformer="CogView4Transformer2DModel", encode=encode,
+    velocity=velocity, latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4, mu=mu,
+)  # fmt: skip

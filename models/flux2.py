@@ -1,0 +1,83 @@
+"""FLUX.2-dev (Flux2Pipeline) and FLUX.2-klein 4B/9B (Flux2KleinPipeline): what differs from SD3.
+
+Text: hidden states of three text-encoder layers (Mistral-3 10/20/30 for dev, Qwen3 9/18/27 for klein) stacked on the
+channel axis, padded to `max_sequence_length`, no mask, no pooled vector (extra = [B, 0]). Latents: the VAE's 2x2
+patches as channels, normalised by the VAE's BatchNorm running statistics (no scaling factor): the sampler draws
+[4C, h/2, w/2] and the transformer sees them flattened [h/2 * w/2, 4C] with 4-axis position ids (t, row, col, l):
+image (0, r, c, 0), text (0, 0, 0, l). timestep = sigma. Shift: mu = `compute_empirical_mu(tokens, num_steps)`, which
+depends on the step count too. Guidance: dev has a guidance embedding (single pass, scale 4 typical); klein base
+runs two-pass CFG against the negative prompt (two calls, as the pipeline); the distilled klein checkpoints run
+without CFG (pass --guidance-scale 1; the pipeline ignores the scale for them).
+"""
+
+import torch
+
+import common
+
+
+def encode(pipe, prompts, device, max_sequence_length):
+    e, _ = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)  # ids rebuilt below
+    return e, e.new_zeros(e.shape[0], 0)
+
+
+def max_sequence_length(pipe, requested):
+    return min(requested or 512, pipe.tokenizer.model_max_length)  # the pipelines' default, capped at the tokenizer's
+
+
+def ids(batch: int, h: int, w: int, text: int, device):
+    """(t, row, col, l) position ids: image tokens (0, r, c, 0) row-major, text tokens (0, 0, 0, l)."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    zero = torch.zeros_like(rows)
+    img = torch.stack([zero, rows, cols, zero], -1).view(1, -1, 4)
+    txt = torch.zeros(1, text, 4, dtype=img.dtype)
+    txt[..., 3] = torch.arange(text)
+    return img.expand(batch, -1, -1).to(device), txt.expand(batch, -1, -1).to(device)
+
+
+def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
+    b, c, h, w = x.shape
+    tokens = x.reshape(b, c, h * w).transpose(1, 2).to(transformer.dtype)
+    guided = transformer.config.guidance_embeds  # FLUX.2-dev: guidance embedding, one pass
+
+    def call(e):
+        img_ids, txt_ids = ids(b, h, w, e.shape[1], x.device)
+        guidance = torch.full_like(sigma, guidance_scale) if guided else None
+        out = transformer(hidden_states=tokens, timestep=sigma, guidance=guidance, encoder_hidden_states=e.to(transformer.dtype),
+                          txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0].float()  # fmt: skip
+        return out.transpose(1, 2).reshape(b, c, h, w)
+
+    v = call(embeds)
+    if guidance_scale > 1.0 and not guided:  # klein: two-pass CFG
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        v = common.cfg(call(neg[0]), v, guidance_scale)
+    return v
+
+
+def latent_shape(pipe, resolution):
+    factor = pipe.vae_scale_factor
+    side = common.latent_side(resolution or pipe.default_sample_size * factor, 0, factor, 2)
+    return pipe.transformer.config.in_channels, side // 2, side // 2
+
+
+def mu(config, tokens, num_steps):
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    return compute_empirical_mu(tokens, num_steps)
+
+
+def decode(pipe, z):
+    """Undo the BatchNorm normalisation (running statistics, eps), unpatchify 2x2, decode."""
+    vae = pipe.vae
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    z = z * std.to(z) + vae.bn.running_mean.view(1, -1, 1, 1).to(z)
+    b, c, h, w = z.shape
+    z = z.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
+    return vae.decode(z.to(vae.dtype), return_dict=False)[0]
+
+
+FAMILY = common.Family(
+    name="flux2", pipelines=("Flux2Pipeline", "Flux2KleinPipeline"), transformer="Flux2Transformer2DModel", encode=encode,
+    velocity=velocity, latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2], mu=mu,
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+)  # fmt: skip

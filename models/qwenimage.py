@@ -1,0 +1,67 @@
+"""Qwen-Image and Qwen-Image-2512 (QwenImagePipeline): what differs from SD3.
+
+Text: the last hidden state of Qwen2.5-VL over a chat template (its first 34 tokens dropped), variable length, with a
+token mask (extra = the mask; no pooled vector). Latents: the 3-D VAE's [C, 1, H, W] without the frame axis,
+[C, h, w], normalised by the VAE's latents_mean/std; the transformer sees them packed into 2x2-patch tokens like
+FLUX.1 and builds its rotary embedding from `img_shapes`. timestep = sigma. Shift: mu linear in the token count
+(`common.linear_mu` with the released base 0.5 / max 0.9 over 256..8192 tokens) and the scheduler's own
+`shift_terminal`. Guidance: two-pass CFG ("true CFG", as the pipeline's `true_cfg_scale`) followed by a per-token
+rescale of the combined prediction to the conditional one's norm.
+"""
+
+import torch
+
+import common
+from models.flux import pack_latents, unpack_latents
+
+
+def encode(pipe, prompts, device, max_sequence_length):
+    e, mask = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
+    return e, torch.ones(e.shape[:2], dtype=torch.long, device=e.device) if mask is None else mask
+
+
+def max_sequence_length(pipe, requested):
+    return requested or 512  # the pipeline's default for __call__
+
+
+def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
+    b, _, h, w = x.shape
+    tokens = pack_latents(x).to(transformer.dtype)
+    guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
+
+    def call(e, m):
+        n = int(m.sum(1).max())  # the batch's longest prompt: the rest is padding, masked out
+        e, m = e[:, :n], m[:, :n]
+        out = transformer(hidden_states=tokens, timestep=sigma, guidance=guidance, encoder_hidden_states=e.to(transformer.dtype),
+                          encoder_hidden_states_mask=None if bool(m.all()) else m, img_shapes=[[(1, h // 2, w // 2)]] * b,
+                          return_dict=False)[0]  # fmt: skip
+        return out.float()  # as the pipeline: None when nothing is padded
+
+    v = call(embeds, mask)
+    if guidance_scale > 1.0 and guidance is None:
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        combined = common.cfg(call(*neg), v, guidance_scale)
+        v = combined * (v.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))  # per token, as QwenImagePipeline
+    return unpack_latents(v, h, w)
+
+
+def latent_shape(pipe, resolution):
+    factor = pipe.vae_scale_factor
+    side = common.latent_side(resolution or pipe.default_sample_size * factor, 0, factor, 2)
+    return pipe.transformer.config.in_channels // 4, side, side
+
+
+def decode(pipe, z):
+    """latents * std + mean on the 3-D VAE's single frame, decoded."""
+    vae = pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+    return vae.decode((z[:, :, None] * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
+
+
+FAMILY = common.Family(
+    name="qwenimage", pipelines=("QwenImagePipeline",), transformer="QwenImageTransformer2DModel", encode=encode,
+    velocity=velocity, latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu,
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+)  # fmt: skip

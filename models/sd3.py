@@ -1,0 +1,58 @@
+"""SD3 / SD3.5 (StableDiffusion3Pipeline): the reference family; the others say how they differ from it.
+
+Text: CLIP-L/G + T5 token embeddings concatenated, and both CLIPs' pooled projections. Latents [C, h, w] (the
+transformer patchifies inside), timestep = 1000 sigma, static shift, two-pass CFG batched as one 2B call.
+"""
+
+import torch
+
+import common
+
+
+def encode(pipe, prompts, device, max_sequence_length):
+    e, _, p, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
+                                    max_sequence_length=max_sequence_length)  # fmt: skip
+    return e, p
+
+
+def max_sequence_length(pipe, requested):
+    # without T5 the pipeline pads with zeros of this length; 1 keeps the tiny model cheap (it was trained so)
+    return (requested or 128) if pipe.text_encoder_3 is not None else 1
+
+
+def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
+    """With CFG (scale > 1) one 2B-batch call gives v = v_uncond + g (v_cond - v_uncond)."""
+    dtype = transformer.dtype
+    if guidance_scale > 1.0:
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        out = transformer(
+            hidden_states=torch.cat([x, x]).to(dtype),
+            timestep=torch.cat([sigma, sigma]) * 1000,
+            encoder_hidden_states=torch.cat([neg[0], embeds]).to(dtype),
+            pooled_projections=torch.cat([neg[1], pooled]).to(dtype),
+            return_dict=False,
+        )[0].float()
+        v_uncond, v_cond = out.chunk(2)
+        return common.cfg(v_uncond, v_cond, guidance_scale)
+    return transformer(
+        hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=embeds.to(dtype),
+        pooled_projections=pooled.to(dtype), return_dict=False,
+    )[0].float()  # fmt: skip
+
+
+def latent_shape(pipe, resolution):
+    cfg = pipe.transformer.config
+    side = common.latent_side(resolution, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size)
+    return cfg.in_channels, side, side
+
+
+def load_kwargs(local):
+    # T5 (text_encoder_3) is optional: a folder without one loads with None, and the pipeline pads with zeros
+    return {"text_encoder_3": None, "tokenizer_3": None} if local is not None and not (local / "text_encoder_3").exists() else {}
+
+
+FAMILY = common.Family(
+    name="sd3", pipelines=("StableDiffusion3Pipeline",), transformer="SD3Transformer2DModel", encode=encode,
+    velocity=velocity, latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
+    load_kwargs=load_kwargs, lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+)  # fmt: skip

@@ -1,0 +1,54 @@
+"""Z-Image and Z-Image-Turbo (ZImagePipeline): what differs from SD3.
+
+Text: Qwen3 `hidden_states[-2]` of the chat-templated prompt, only its unmasked tokens (variable length; extra = the
+token mask). The transformer takes unbatched lists (latents [C, 1, h, w] each, text [L_i, D] each) and patchifies
+inside. Time runs the other way: timestep = 1 - sigma (0 = noise), and the output is x0 - eps, so v = -output.
+Guidance: two-pass CFG batched as one 2B call, written as the pipeline's pos + (g - 1)(pos - neg), which is
+v_uncond + g (v_cond - v_uncond): cleanflow's `guidance_scale` g is ZImagePipeline's `guidance_scale` + 1 (Turbo: 1, no
+CFG). The pipeline's optional CFG truncation and norm clamp (off by default) are not supported. Static shift (Turbo 3).
+"""
+
+import torch
+
+import common
+
+
+def encode(pipe, prompts, device, max_sequence_length):
+    # ZImagePipeline rewrites the list it gets with the chat-templated text: give it a copy
+    embeds = pipe.encode_prompt(list(prompts), device=device, do_classifier_free_guidance=False,
+                                max_sequence_length=max_sequence_length)[0]  # fmt: skip
+    mask = [torch.ones(len(e), dtype=torch.long, device=e.device) for e in embeds]
+    return common.pad_stack(embeds), common.pad_stack(mask)
+
+
+def max_sequence_length(pipe, requested):
+    return min(requested or 512, pipe.tokenizer.model_max_length)  # the pipeline's default, capped at the tokenizer's
+
+
+def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
+    b = x.shape[0]
+    text = [e[m.bool()].to(transformer.dtype) for e, m in zip(embeds, mask)]
+    cfg = guidance_scale > 1.0
+    if cfg:
+        assert neg is not None, "CFG needs the negative prompt embeddings"
+        text += [e[m.bool()].to(transformer.dtype) for e, m in zip(*neg)]
+    latents = list(x.to(transformer.dtype).unsqueeze(2).unbind(0)) * (2 if cfg else 1)
+    t = (1 - sigma).repeat(2 if cfg else 1)
+    out = torch.stack([o.float() for o in transformer(latents, t, text, return_dict=False)[0]]).squeeze(2)
+    if cfg:
+        pos, neg_out = out[:b], out[b:]
+        out = pos + (guidance_scale - 1) * (pos - neg_out)
+    return -out
+
+
+def latent_shape(pipe, resolution):
+    factor, patch = pipe.vae_scale_factor, pipe.transformer.config.all_patch_size[0]
+    side = common.latent_side(resolution or 1024, 0, factor, patch)  # the pipeline's default height and width
+    return pipe.transformer.config.in_channels, side, side
+
+
+FAMILY = common.Family(
+    name="zimage", pipelines=("ZImagePipeline",), transformer="ZImageTransformer2DModel", encode=encode, velocity=velocity,
+    latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu,
+)  # fmt: skip
