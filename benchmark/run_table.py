@@ -1,6 +1,6 @@
 """The CPU results table: every algorithm on an embedded model, several seeds, each with its default hyperparameters.
 
-    python benchmark/run_table.py --jobs 2                          # shapes reward, 3 seeds: 36 min on 2 cores
+    python benchmark/run_table.py --jobs 2 --threshold 0.45         # shapes_clean (the default), 3 seeds: ~40 min on 2 idle cores
     python benchmark/run_table.py --jobs 2 --reward jpeg_compressibility --threshold -0.5 --epochs 20 --extra --eval-every 2
     python benchmark/run_table.py --jobs 2 --seeds 1 --reward ocr --threshold 0.75 --extra --model assets/tiny-text \
         --train-prompts assets/text_train.jsonl --test-prompts assets/text_test.jsonl        # OCR on tiny-text: 20 min
