@@ -165,9 +165,9 @@ def plots(results, args, out):
                 n = min(len(r[key]) for r in runs)
                 x = np.mean([r[x_key][:n] for r in runs], axis=0)
                 y = np.array([r[key][:n] for r in runs])
-                ax.plot(x, y.mean(0), label=algo)
-                if len(runs) > 1:
-                    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+                (line,) = ax.plot(x, y.mean(0), label=algo)
+                if len(runs) > 1:  # the band in its line's colour
+                    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2, color=line.get_color())
             ax.set_xlabel(x_label)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
