@@ -136,6 +136,7 @@ def test_dgpo_learns_both_directions(reward, tmp_path):
     cmd = (
         f"algos/dgpo.py --reward {reward} --num-epochs 6 --eval-every 6 --save-every 100 --guidance-scale 1 "
         f"--num-prompts 4 --group-size 8 --micro-batch 16 --grad-steps-per-epoch 2 --num-train-timesteps 2 "
+        f"--kl-beta 0.02 --kl-cfg 1 "  # the paper's KL: the tiny-shapes default (0.5 to the CFG-4.5 base) anchors it harder
         f"--test-prompts {tmp_path / 'test.txt'} --output-dir {tmp_path / 'runs'}"
     )
     run_script(cmd.split())

@@ -128,13 +128,12 @@ def test_paper_options_run_end_to_end(tmp_path):
     """GRPO-Guard + official KL + contiguous window + zero-advantage filter on CPS with the surrogate log-prob is
     refused (Guard needs Gaussian log-probs); each combination that is allowed trains one epoch."""
     (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
-    base = (f"--train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 --group-size 4 "
-            f"--micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --eval-every 5 --output-dir {tmp_path / 'runs'}")  # fmt: skip
-    bad = subprocess.run(f"{sys.executable} algos/grpo.py {base} --grpo-guard --log-prob-form mse", shell=True,
-                         capture_output=True, text=True, cwd=common.REPO)  # fmt: skip
+    base = ["--train-prompts", tmp_path / "p.txt", "--test-prompts", tmp_path / "p.txt", *"--num-prompts 2 --group-size 4 "
+            "--micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --eval-every 5".split(),
+            "--output-dir", tmp_path / "runs"]  # fmt: skip
+    bad = run_script(["algos/grpo.py", *base, "--grpo-guard", "--log-prob-form", "mse"], check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --grpo-guard")
     for flags in ("--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
                   "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3"):  # fmt: skip
-        out = subprocess.run(f"{sys.executable} algos/grpo.py {base} {flags}", shell=True, capture_output=True, text=True,
-                             cwd=common.REPO)  # fmt: skip
+        out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
