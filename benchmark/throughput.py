@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import models  # noqa: E402,F401  (registers the model families with common)
 
 
 def main():
