@@ -34,6 +34,26 @@ def qwen3(tok, layers: int, hidden: int = 16, causal_lm: bool = True, seed: int 
     return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)
 
 
+def flux2_parts(guidance_embeds: bool):
+    """The tiny FLUX.2 transformer, VAE (with non-trivial BatchNorm statistics, so a missing un-normalisation would
+    show) and scheduler shared by the klein (no guidance embedding) and dev (guidance embedding) builds."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    torch.manual_seed(1)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
+    )  # fmt: skip
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, mid_block_add_attention=False,
+    )  # fmt: skip
+    vae.bn.running_mean.normal_(0, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    return transformer, vae, FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+
+
 def flux2_klein(path):
     """Flux2KleinPipeline (base: two-pass CFG), Qwen3 text encoder deep enough for layers 9/18/27 (hidden 16, so the
     transformer's joint_attention_dim is 3 x 16), a 2-block VAE (factor 2) with random BatchNorm statistics."""
@@ -41,19 +61,7 @@ def flux2_klein(path):
 
     tok = qwen_tokenizer()
     text_encoder = qwen3(tok, layers=27)
-    torch.manual_seed(1)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    )  # fmt: skip
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
-        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
-        use_post_quant_conv=False, mid_block_add_attention=False,
-    )  # fmt: skip
-    vae.bn.running_mean.normal_(0, 0.5)  # non-trivial statistics, so a missing un-normalisation would show
-    vae.bn.running_var.uniform_(0.5, 2.0)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    transformer, vae, scheduler = flux2_parts(guidance_embeds=False)
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
     pipe.save_pretrained(path)
     return str(path)
@@ -147,19 +155,7 @@ def flux2_dev(path):
     vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                   head_dim=8, image_size=16, patch_size=4)  # fmt: skip
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
-    torch.manual_seed(1)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
-    )  # fmt: skip
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
-        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
-        use_post_quant_conv=False, mid_block_add_attention=False,
-    )  # fmt: skip
-    vae.bn.running_mean.normal_(0, 0.5)
-    vae.bn.running_var.uniform_(0.5, 2.0)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    transformer, vae, scheduler = flux2_parts(guidance_embeds=True)
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
     return str(path)
 
