@@ -108,8 +108,10 @@ def busy_cpu_hint() -> Optional[str]:
     threads, load = torch.get_num_threads(), os.getloadavg()[0]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > 1 and load + threads > cores + 0.5:
-        return (f"note: the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads, which can be "
-                f"several times slower than one here; set OMP_NUM_THREADS (e.g. OMP_NUM_THREADS=1) to choose")  # fmt: skip
+        return (
+            f"note: the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads, which can be "
+            f"several times slower than one here; set OMP_NUM_THREADS (e.g. OMP_NUM_THREADS=1) to choose"
+        )
     return None
 
 
@@ -165,7 +167,9 @@ def batch_layout(total: int, grad_steps: int, world_size: int, micro_batch: int)
     The epoch's `total` samples are cut into `grad_steps` contiguous chunks (one optimizer step each) and every
     chunk into `world_size` contiguous slices (one per rank), each a whole number of micro-batches."""
     if total % (grad_steps * world_size):
-        raise UserError(f"grad_steps_per_epoch x world size ({grad_steps} x {world_size}) must divide the images per epoch ({total})")
+        raise UserError(
+            f"grad_steps_per_epoch x world size ({grad_steps} x {world_size}) must divide the images per epoch ({total})"
+        )
     per_rank_step = total // (grad_steps * world_size)
     if per_rank_step % micro_batch:
         raise UserError(f"micro_batch ({micro_batch}) must divide the per-rank images per optimizer step ({per_rank_step})")
@@ -286,7 +290,9 @@ def family_of(transformer) -> Family:
     for family in FAMILIES.values():
         if family.transformer == name:
             return family
-    raise UserError(f"no model family for {name}; `import models` registers them ({', '.join(sorted(FAMILIES)) or 'none yet'})")
+    raise UserError(
+        f"no model family for {name}; `import models` registers them ({', '.join(sorted(FAMILIES)) or 'none yet'})"
+    )
 
 
 @dataclass
@@ -315,7 +321,9 @@ class Model:
 
     def sigmas(self, num_steps: int, device=None) -> torch.Tensor:
         """The sampler's sigma schedule at this model's resolution (see `sigma_schedule`)."""
-        return sigma_schedule(self.scheduler, num_steps, device, mu_for(self.family, self.scheduler, self.latent_shape, num_steps))
+        return sigma_schedule(
+            self.scheduler, num_steps, device, mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
+        )
 
 
 def pipeline_class(model: str) -> str:
@@ -327,16 +335,27 @@ def pipeline_class(model: str) -> str:
     for key, cls in HUB_NAMES:
         if key in name:
             return cls
-    raise UserError(f"model {model!r}: cannot tell its family from the name; download it and pass the folder "
-                    f"(its model_index.json names the pipeline class)")  # fmt: skip
+    raise UserError(
+        f"model {model!r}: cannot tell its family from the name; download it and pass the folder "
+        f"(its model_index.json names the pipeline class)"
+    )
 
 
 # hub id substring -> pipeline class, first match wins (for hub ids without a local folder)
-HUB_NAMES = (("flux.2-klein", "Flux2KleinPipeline"), ("flux.2", "Flux2Pipeline"), ("flux", "FluxPipeline"),
-             ("qwen-image", "QwenImagePipeline"), ("z-image", "ZImagePipeline"), ("wan2", "WanPipeline"),
-             ("sana_sprint", "SanaSprintPipeline"), ("sana", "SanaPipeline"), ("lumina-image-2", "Lumina2Pipeline"),
-             ("cogview4", "CogView4Pipeline"),
-             ("stable-diffusion-3", "StableDiffusion3Pipeline"), ("sd3", "StableDiffusion3Pipeline"))  # fmt: skip
+HUB_NAMES = (
+    ("flux.2-klein", "Flux2KleinPipeline"),
+    ("flux.2", "Flux2Pipeline"),
+    ("flux", "FluxPipeline"),
+    ("qwen-image", "QwenImagePipeline"),
+    ("z-image", "ZImagePipeline"),
+    ("wan2", "WanPipeline"),
+    ("sana_sprint", "SanaSprintPipeline"),
+    ("sana", "SanaPipeline"),
+    ("lumina-image-2", "Lumina2Pipeline"),
+    ("cogview4", "CogView4Pipeline"),
+    ("stable-diffusion-3", "StableDiffusion3Pipeline"),
+    ("sd3", "StableDiffusion3Pipeline"),
+)
 
 
 def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
@@ -354,11 +373,14 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
     cls = pipeline_class(model)
     if cls not in FAMILIES:
-        raise UserError(f"model {model!r}: pipeline class {cls!r} is not a supported family "
-                        f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})")  # fmt: skip
+        raise UserError(
+            f"model {model!r}: pipeline class {cls!r} is not a supported family "
+            f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
+        )
     family = FAMILIES[cls]
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # importing the pipelines warns about torchvision for SD3's unused image encoder
+    # importing the pipelines warns about torchvision for SD3's unused image encoder
+    transformers.logging.set_verbosity_error()
     try:
         import diffusers
 
@@ -366,8 +388,12 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
     finally:
         transformers.logging.set_verbosity(verbosity)
     try:
-        pipe = pipeline.from_pretrained(str(local) if looks_local else model, dtype=dtype, local_files_only=looks_local,
-                                        **family.load_kwargs(local if looks_local else None))  # fmt: skip
+        pipe = pipeline.from_pretrained(
+            str(local) if looks_local else model,
+            dtype=dtype,
+            local_files_only=looks_local,
+            **family.load_kwargs(local if looks_local else None),
+        )
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
@@ -400,8 +426,10 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]
         )
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to "
-                        f"{type(transformer).__name__} ({first[:200]})")  # fmt: skip
+        raise UserError(
+            f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to "
+            f"{type(transformer).__name__} ({first[:200]})"
+        )
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
@@ -539,8 +567,9 @@ class PromptEncoder:
             key = ("negative", self.negative_prompt)
             if key not in self.cache:
                 with torch.no_grad():
-                    e, p = self.family.encode_negative(self.pipe, [self.negative_prompt], self.text_encoders()[0].device,
-                                                       self.max_sequence_length)  # fmt: skip
+                    e, p = self.family.encode_negative(
+                        self.pipe, [self.negative_prompt], self.text_encoders()[0].device, self.max_sequence_length
+                    )
                 self.cache[key] = (e[0].to(self.cache_device), p[0].to(self.cache_device))
             e, p = (t[None].to(self.device) for t in self.cache[key])
         return e.expand(batch, *e.shape[1:]), p.expand(batch, *p.shape[1:])
@@ -653,8 +682,18 @@ def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] =
 LOG_PROB_FORMS = ("gaussian", "mse")
 
 
-def sde_step(x, v, sigma, sigma_next, dynamics: str, eta: float, noise=None, x_next=None, sigma_cap: Optional[float] = None,
-             log_prob_form: str = "gaussian"):  # fmt: skip
+def sde_step(
+    x,
+    v,
+    sigma,
+    sigma_next,
+    dynamics: str,
+    eta: float,
+    noise=None,
+    x_next=None,
+    sigma_cap: Optional[float] = None,
+    log_prob_form: str = "gaussian",
+):
     """One step of the reverse process as a Gaussian policy N(mean, std^2 I) (Flow-Factory spec section 1).
 
     Returns (x_next, log_prob [B], mean, std). If `x_next` is given (training), it is scored instead of sampled.
@@ -715,12 +754,25 @@ class Rollout:
 
 @torch.no_grad()
 def sample(
-    transformer, scheduler, embeds, pooled, *, neg=None, num_steps: int = 10, guidance_scale: float = 1.0,
-    dynamics: str = "ODE", eta: float = 0.7, sde_steps: Optional[Sequence[int]] = None,
-    generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None,
-    keep_trajectory: bool = False, latent_shape: Optional[Sequence[int]] = None, use_autocast: bool = False,
-    log_prob_form: str = "gaussian", keep_means: bool = False,
-) -> Rollout:  # fmt: skip
+    transformer,
+    scheduler,
+    embeds,
+    pooled,
+    *,
+    neg=None,
+    num_steps: int = 10,
+    guidance_scale: float = 1.0,
+    dynamics: str = "ODE",
+    eta: float = 0.7,
+    sde_steps: Optional[Sequence[int]] = None,
+    generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
+    keep_trajectory: bool = False,
+    latent_shape: Optional[Sequence[int]] = None,
+    use_autocast: bool = False,
+    log_prob_form: str = "gaussian",
+    keep_means: bool = False,
+) -> Rollout:
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
     `sde_steps`: the step indices that get noise (the SDE window); None = every step but the last for SDE dynamics.
@@ -733,7 +785,11 @@ def sample(
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
     device, batch = embeds.device, embeds.shape[0]
     if noise is None:
-        shape = latent_shape or (transformer.config.in_channels, transformer.config.sample_size, transformer.config.sample_size)
+        shape = latent_shape or (
+            transformer.config.in_channels,
+            transformer.config.sample_size,
+            transformer.config.sample_size,
+        )
         noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
     # a dynamic shift depends on the image's token count: take it from the latents actually sampled
@@ -750,20 +806,46 @@ def sample(
             v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
         step_noise = randn(x.shape, generator).to(device) if sde_mask[i] else None
         x, log_probs[:, i], mean, _ = sde_step(
-            x, v, sigmas[i], sigmas[i + 1], dynamics if sde_mask[i] else "ODE", eta, step_noise, sigma_cap=float(sigmas[1]),
+            x,
+            v,
+            sigmas[i],
+            sigmas[i + 1],
+            dynamics if sde_mask[i] else "ODE",
+            eta,
+            step_noise,
+            sigma_cap=float(sigmas[1]),
             log_prob_form=log_prob_form,
-        )  # fmt: skip
+        )
         if keep_trajectory:
             traj.append(x)
         if keep_means:
             means.append(mean)
-    return Rollout(x, sigmas, torch.stack(traj, 1) if keep_trajectory else None, log_probs, sde_mask,
-                   torch.stack(means, 1) if keep_means else None)  # fmt: skip
+    return Rollout(
+        x,
+        sigmas,
+        torch.stack(traj, 1) if keep_trajectory else None,
+        log_probs,
+        sde_mask,
+        torch.stack(means, 1) if keep_means else None,
+    )
 
 
 @torch.no_grad()
-def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guidance_scale, seed, batch=32,
-             use_autocast=False, repeats: int = 2, progress: bool = True):  # fmt: skip
+def evaluate(
+    pipe,
+    transformer,
+    encoder,
+    prompts,
+    reward_fn,
+    *,
+    num_steps,
+    guidance_scale,
+    seed,
+    batch=32,
+    use_autocast=False,
+    repeats: int = 2,
+    progress: bool = True,
+):
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
     scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates).
 
@@ -781,9 +863,18 @@ def evaluate(pipe, transformer, encoder, prompts, reward_fn, *, num_steps, guida
             embeds, pooled = encoder(chunk)
             neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
             gen = torch.Generator().manual_seed(seed + k)
-            out = sample(transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=num_steps,
-                         guidance_scale=guidance_scale, generator=gen, latent_shape=getattr(pipe, "latent_shape", None),
-                         use_autocast=use_autocast)  # fmt: skip
+            out = sample(
+                transformer,
+                pipe.scheduler,
+                embeds,
+                pooled,
+                neg=neg,
+                num_steps=num_steps,
+                guidance_scale=guidance_scale,
+                generator=gen,
+                latent_shape=getattr(pipe, "latent_shape", None),
+                use_autocast=use_autocast,
+            )
             imgs = decode(pipe, out.latents)
             for name, value in reward_fn(imgs, chunk).items():
                 scores.setdefault(name, []).append(value.float().cpu())
@@ -870,9 +961,14 @@ def group_advantages(
 
 
 def aggregate_advantages(
-    scores: dict, weights: dict, group_size: int, aggregation: str = "sum", std: str = "group",
-    leave_one_out: bool = False, clip: Optional[float] = None,
-) -> torch.Tensor:  # fmt: skip
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
     """Several rewards -> one advantage per sample.
 
     "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
@@ -914,10 +1010,15 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
-    }  # fmt: skip
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -948,8 +1049,19 @@ def git_commit() -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
 # `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
-SAFE_OVERRIDES = ("num_epochs", "eval_every", "save_every", "keep_checkpoints", "gradient_checkpointing", "track",
-                  "wandb_project_name", "wandb_entity", "push_to_hub", "eval_num_steps", "eval_guidance_scale")  # fmt: skip
+SAFE_OVERRIDES = (
+    "num_epochs",
+    "eval_every",
+    "save_every",
+    "keep_checkpoints",
+    "gradient_checkpointing",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "push_to_hub",
+    "eval_num_steps",
+    "eval_guidance_scale",
+)
 NOT_RESTORED = ("device", "output_dir", "resume", "run_name")
 _CLI = {"argv": None}  # the command line of the current `run_main`
 _RUN = {}  # the current run: "algo" (the script's name, stored in every checkpoint), "resume_record"
@@ -983,8 +1095,20 @@ def check_args(args, fresh: bool = True):
     for name, value in fields.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{_flag(name)} {value}: must be a finite number")
-    positive = ("num_epochs", "eval_every", "save_every", "num_prompts", "micro_batch", "grad_steps_per_epoch", "num_steps",
-                "lora_rank", "num_inner_epochs", "num_train_timesteps", "lora_alpha", "max_grad_norm")  # fmt: skip
+    positive = (
+        "num_epochs",
+        "eval_every",
+        "save_every",
+        "num_prompts",
+        "micro_batch",
+        "grad_steps_per_epoch",
+        "num_steps",
+        "lora_rank",
+        "num_inner_epochs",
+        "num_train_timesteps",
+        "lora_alpha",
+        "max_grad_norm",
+    )
     for name in positive:
         if name in fields and fields[name] <= 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
@@ -1016,8 +1140,9 @@ def check_args(args, fresh: bool = True):
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"--output-dir {args.output_dir}: cannot create a run folder there "
-                            f"({parent} is not a writable folder)")  # fmt: skip
+            raise UserError(
+                f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)"
+            )
 
 
 def check_resolution(model: Path, resolution: int):
@@ -1032,7 +1157,11 @@ def check_resolution(model: Path, resolution: int):
     factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
     if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
         factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
-    patch = 2 if "Flux" in transformer.get("_class_name", "") else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    patch = (
+        2
+        if "Flux" in transformer.get("_class_name", "")
+        else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    )
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
         raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
@@ -1066,8 +1195,10 @@ def restore_args(args, saved: dict) -> dict:
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
             if name not in SAFE_OVERRIDES:
                 changeable = ", ".join(_flag(n) for n in SAFE_OVERRIDES if hasattr(args, n))
-                raise UserError(f"{_flag(name)} is {saved[name]!r} in the run being resumed, {getattr(args, name)!r} given; "
-                                f"a resumed run keeps its settings (changeable: {changeable})")  # fmt: skip
+                raise UserError(
+                    f"{_flag(name)} is {saved[name]!r} in the run being resumed, {getattr(args, name)!r} given; "
+                    f"a resumed run keeps its settings (changeable: {changeable})"
+                )
             overrides[name] = (saved[name], getattr(args, name))
     for f in dataclasses.fields(args):
         if f.name in saved and f.name not in NOT_RESTORED and f.name not in overrides:
@@ -1093,8 +1224,9 @@ def start_run(args, script_file: str) -> tuple:
     run_dir, ckpt_dir = find_checkpoint(args.resume)
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt.get("algo") != algo:
-        raise UserError(f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, "
-                        f"not {algo}.py")  # fmt: skip
+        raise UserError(
+            f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py"
+        )
     overrides = restore_args(args, ckpt["args"])
     check_args(args, fresh=False)
     if args.num_epochs <= ckpt["epoch"]:
@@ -1105,9 +1237,12 @@ def start_run(args, script_file: str) -> tuple:
         for tmp in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed while saving
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
     _RUN["resume_record"] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(ckpt_dir), "epoch": ckpt["epoch"],
-        "overrides": {k: {"saved": a, "now": b} for k, (a, b) in overrides.items()}, "argv": _CLI["argv"],
-    }  # fmt: skip
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": str(ckpt_dir),
+        "epoch": ckpt["epoch"],
+        "overrides": {k: {"saved": a, "now": b} for k, (a, b) in overrides.items()},
+        "argv": _CLI["argv"],
+    }
     return run_dir, ckpt
 
 
@@ -1175,8 +1310,13 @@ class Logger:
         if getattr(args, "track", False):
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name,
-                                    config=config, sync_tensorboard=True)  # fmt: skip
+            self.wandb = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=run_dir.name,
+                config=config,
+                sync_tensorboard=True,
+            )
         self.writer = SummaryWriter(str(run_dir))
         table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1234,12 +1374,38 @@ def check_integrations(args):
 # the trained model out: a diffusers LoRA folder with a model card
 # ----------------------------------------------------------------------------------------------------------------
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
-CARD_ARGS = ("model", "reward", "seed", "num_epochs", "num_prompts", "group_size", "learning_rate", "lora_rank", "lora_alpha",
-             "num_steps", "guidance_scale", "dynamics", "eta", "resolution", "base_dtype")  # fmt: skip
+CARD_ARGS = (
+    "model",
+    "reward",
+    "seed",
+    "num_epochs",
+    "num_prompts",
+    "group_size",
+    "learning_rate",
+    "lora_rank",
+    "lora_alpha",
+    "num_steps",
+    "guidance_scale",
+    "dynamics",
+    "eta",
+    "resolution",
+    "base_dtype",
+)
 
 
-def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: int, logger: Optional[Logger] = None, *,
-                samples=None, weights: Optional[Sequence[torch.Tensor]] = None, weights_name: str = "the trained policy"):
+def export_lora(
+    out_dir: Path,
+    pipe,
+    transformer,
+    args,
+    algo_doc: str,
+    epoch: int,
+    logger: Optional[Logger] = None,
+    *,
+    samples=None,
+    weights: Optional[Sequence[torch.Tensor]] = None,
+    weights_name: str = "the trained policy",
+):
     """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
     pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
     then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
@@ -1259,8 +1425,9 @@ def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: in
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
         state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-    type(pipe.pipe).save_lora_weights(tmp, transformer_lora_layers=state,
-                                 transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())  # fmt: skip
+    type(pipe.pipe).save_lora_weights(
+        tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
+    )
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
@@ -1285,10 +1452,10 @@ def export_lora(out_dir: Path, pipe, transformer, args, algo_doc: str, epoch: in
 def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
     """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
-    load += ", dtype=torch.bfloat16).to(\"cuda\")" if gpu else ")"
+    load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
     return ("import torch\n" if gpu else "") + (
         f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({json.dumps(lora_dir)})\n"
-        f"image = pipe({call}).images[0]\nimage.save(\"sample.png\")\n"
+        f'image = pipe({call}).images[0]\nimage.save("sample.png")\n'
     )
 
 
@@ -1310,19 +1477,38 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
         front.append(f"base_model: {model}")
     targets = ", ".join(config.get("lora_targets", ()))
     snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
-    lines = front + ["---", "", f"# {config.get('run_name') or 'cleanflow LoRA'}", "",
-                     f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.", "",
-                     "| | |", "|-|-|", f"| base model | `{model}` |", f"| algorithm | {algo} |",
-                     f"| reward | `{config.get('reward')}` |",
-                     f"| weights | {weights_name}, after epoch {epoch} |",
-                     f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |", "",
-                     "## Use it", "", "```python", snippet.rstrip(), "```", ""]  # fmt: skip
+    lines = front + [
+        "---",
+        "",
+        f"# {config.get('run_name') or 'cleanflow LoRA'}",
+        "",
+        f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.",
+        "",
+        "| | |",
+        "|-|-|",
+        f"| base model | `{model}` |",
+        f"| algorithm | {algo} |",
+        f"| reward | `{config.get('reward')}` |",
+        f"| weights | {weights_name}, after epoch {epoch} |",
+        f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |",
+        "",
+        "## Use it",
+        "",
+        "```python",
+        snippet.rstrip(),
+        "```",
+        "",
+    ]
     steps = sorted({step for _, step in evals.values()})
     lines += ["## Evaluation", ""]
     if evals:
-        lines += [f"Held-out prompts (`{config.get('test_prompts')}`), ODE sampler, {config.get('num_steps')} steps, "
-                  f"CFG {config.get('guidance_scale')}, after {max(steps)} training images:", "",
-                  "| metric | value |", "|-|-|"] + [f"| {k} | {v:.4f} |" for k, (v, _) in sorted(evals.items())]  # fmt: skip
+        lines += [
+            f"Held-out prompts (`{config.get('test_prompts')}`), ODE sampler, {config.get('num_steps')} steps, "
+            f"CFG {config.get('guidance_scale')}, after {max(steps)} training images:",
+            "",
+            "| metric | value |",
+            "|-|-|",
+        ] + [f"| {k} | {v:.4f} |" for k, (v, _) in sorted(evals.items())]
     else:
         lines.append("No evaluation logged yet.")
     if has_samples:
@@ -1331,8 +1517,15 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
-    lines += ["", "Every argument: `args.json` in the run folder.", "",
-              f"Command: `{launcher} {shlex.join(sys.argv)}`", "", f"Git commit: `{git_commit()}`", ""]  # fmt: skip
+    lines += [
+        "",
+        "Every argument: `args.json` in the run folder.",
+        "",
+        f"Command: `{launcher} {shlex.join(sys.argv)}`",
+        "",
+        f"Git commit: `{git_commit()}`",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -1361,8 +1554,11 @@ def captions(prompts: Sequence[str], scores: dict) -> list:
     skip = {"objects_extra", "prompt_specific_gap"}
     out = []
     for i, prompt in enumerate(prompts):
-        values = " ".join(f"{short.get(k, k)} {float(v[i]):.2f}".replace(".00", "").replace(" 0.", " .")
-                          for k, v in scores.items() if k not in skip)  # fmt: skip
+        values = " ".join(
+            f"{short.get(k, k)} {float(v[i]):.2f}".replace(".00", "").replace(" 0.", " .")
+            for k, v in scores.items()
+            if k not in skip
+        )
         out.append(f"{prompt} | {values}")
     return out
 
@@ -1491,8 +1687,10 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
             os.rename(old, target)
         if isinstance(e, Exception):  # OSError, torch's RuntimeError, SafetensorError: ENOSPC, EFBIG, EIO, ...
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"could not write the checkpoint {target} ({reason}); nothing half-written is left, "
-                            f"the previous checkpoint is intact") from None  # fmt: skip
+            raise UserError(
+                f"could not write the checkpoint {target} ({reason}); nothing half-written is left, "
+                f"the previous checkpoint is intact"
+            ) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -1515,8 +1713,10 @@ def find_checkpoint(resume: str) -> tuple:
         if p.name in (WEIGHTS_FILE, STATE_FILE):
             p = p.parent
         elif p.suffix == ".pt":
-            raise UserError(f"--resume {resume}: a pickled checkpoint of an older cleanflow; it is not loaded (unpickling "
-                            "can run code) -- checkpoints are now folders checkpoints/epoch_<E>/")  # fmt: skip
+            raise UserError(
+                f"--resume {resume}: a pickled checkpoint of an older cleanflow; it is not loaded (unpickling "
+                "can run code) -- checkpoints are now folders checkpoints/epoch_<E>/"
+            )
         else:
             raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
     if (p / "checkpoints").is_dir() or (p / "args.json").is_file():  # a run folder
@@ -1533,8 +1733,10 @@ def find_checkpoint(resume: str) -> tuple:
     elif (p / STATE_FILE).exists() or (p / WEIGHTS_FILE).exists():
         ckpt_dir, parent = p, p.absolute().parent
         if parent.name != "checkpoints" or not (parent.parent / "args.json").is_file():
-            raise UserError(f"--resume {resume}: this checkpoint is not inside a run folder (<run>/checkpoints/<name> next to "
-                            "<run>/args.json); copy and resume the whole run folder")  # fmt: skip
+            raise UserError(
+                f"--resume {resume}: this checkpoint is not inside a run folder (<run>/checkpoints/<name> next to "
+                "<run>/args.json); copy and resume the whole run folder"
+            )
         run_dir = parent.parent
     else:
         raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
@@ -1557,8 +1759,9 @@ def load_checkpoint(path: Path) -> dict:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - empty, truncated, garbage or pickled code: all one message
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow "
-                        "checkpoint") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow checkpoint"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"checkpoint {state_file} is not a cleanflow checkpoint ({CHECKPOINT_FORMAT})")
     try:

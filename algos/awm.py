@@ -1,7 +1,7 @@
 """Advantage Weighted Matching (AWM), Xue et al. 2025, arXiv 2509.25050 -- docs/awm.md
 
-    python algos/awm.py                                                    # tiny-shapes on CPU, a few minutes
-    torchrun --nproc-per-node 8 algos/awm.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # benchmark/
+python algos/awm.py                                                    # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/awm.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # benchmark/
 """
 
 import contextlib
@@ -94,7 +94,16 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    lora_targets: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
@@ -273,8 +282,10 @@ def main(args: Args):
     if eligible - min_index < 1:
         raise common.UserError(f"timestep_range ({args.timestep_range}) leaves no schedule index to train on")
     if dist.is_main:
-        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from steps {min_index}..{eligible - 1} "
-              f"of {args.num_steps} (sigma {sigmas[eligible - 1]:.3f}..{sigmas[min_index]:.3f})")  # fmt: skip
+        print(
+            f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from steps {min_index}..{eligible - 1} "
+            f"of {args.num_steps} (sigma {sigmas[eligible - 1]:.3f}..{sigmas[min_index]:.3f})"
+        )
 
     # TRY NOT TO MODIFY: generators, resume
     logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
@@ -296,32 +307,60 @@ def main(args: Args):
 
     def save(epoch):
         if dist.is_main:
-            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
-                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
-                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "eval_ema": eval_ema.state(),
-                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
-                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
-                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
-                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
+            common.save_checkpoint(
+                run_dir / "checkpoints" / "last.pt",
+                {
+                    "params": common.trainable_state(named),
+                    "optimizer": optimizer.state_dict(),
+                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                    "eval_ema": eval_ema.state(),
+                    "prompt_gen": prompt_gen.get_state(),
+                    "rng": common.rng_state(),
+                    "epoch": epoch,
+                    "step": step,
+                    "images_seen": images_seen,
+                    "args": vars(args),
+                    "sampler": {
+                        "num_steps": args.num_steps,
+                        "guidance_scale": args.guidance_scale,
+                        "dynamics": args.dynamics,
+                        "eta": args.eta,
+                        "scheduler": dict(pipe.scheduler.config),
+                    },
+                },
+                keep=args.keep_checkpoints,
+            )
+            common.export_lora(
+                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
+            )  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
             with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
                 imgs, scores = common.evaluate(
-                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    pipe,
+                    transformer,
+                    encoder,
+                    test_prompts,
+                    rewards.evaluate,
+                    num_steps=args.eval_num_steps or args.num_steps,
                     guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    seed=0,
+                    use_autocast=args.mixed_precision,
+                )
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
     bad_steps, stopped_at = 0, None
-    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -340,11 +379,19 @@ def main(args: Args):
             neg = encoder.negative(len(prompts))
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
-                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
-                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta,
+                    transformer,
+                    pipe.scheduler,
+                    embeds,
+                    pooled,
+                    neg=neg,
+                    num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale,
+                    dynamics=args.dynamics,
+                    eta=args.eta,
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
-                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    latent_shape=pipe.latent_shape,
+                    use_autocast=args.mixed_precision,
+                )
             x0 = rollout.latents  # only the clean samples are kept: training re-noises them
             images = common.decode(pipe, x0)
 
@@ -388,8 +435,10 @@ def main(args: Args):
                     batches.append((cond, idx, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
 
             # pass 2: the clipped advantage-weighted matching loss, grad_steps_per_epoch optimizer steps
-            stats = {name: [] for name in ("policy_loss", "kl_ref", "kl_ema", "fm_loss", "grad_norm", "approx_kl", "clipfrac",
-                                           "ratio_mean")}  # fmt: skip
+            stats = {
+                name: []
+                for name in ("policy_loss", "kl_ref", "kl_ema", "fm_loss", "grad_norm", "approx_kl", "clipfrac", "ratio_mean")
+            }
             per_step = micro_per_step * args.num_train_timesteps
             for k, (cond, idx, s, xt, v_target, old_lp, v_ref, v_ema) in enumerate(batches):
                 with common.autocast(device, args.mixed_precision):
@@ -401,8 +450,15 @@ def main(args: Args):
                 loss = policy_loss + args.kl_beta * kl + args.ema_kl_beta * kl_ema
                 (loss / per_step).backward()
                 fm_loss = fm_error(v.detach(), v_target).mean()  # unweighted, a drift diagnostic
-                for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("kl_ema", kl_ema), ("fm_loss", fm_loss),
-                                    ("approx_kl", approx_kl), ("clipfrac", clipfrac), ("ratio_mean", ratio.mean())):  # fmt: skip
+                for name, value in (
+                    ("policy_loss", policy_loss),
+                    ("kl_ref", kl),
+                    ("kl_ema", kl_ema),
+                    ("fm_loss", fm_loss),
+                    ("approx_kl", approx_kl),
+                    ("clipfrac", clipfrac),
+                    ("ratio_mean", ratio.mean()),
+                ):
                     stats[name].append(value.item())
                 if (k + 1) % per_step == 0:
                     grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
@@ -418,26 +474,34 @@ def main(args: Args):
                     stats["grad_norm"].append(grad_norm)
 
             # ALGO LOGIC: the EMA update, once per epoch, its decay indexed by the optimizer step (as in the official code)
-            diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))),
-                           "ema_decay": ema_decay(step, args.ema_decay, args.ema_decay_ramp)}  # fmt: skip
+            diagnostics = {
+                "ratio_mean": float(np.mean(stats.pop("ratio_mean"))),
+                "ema_decay": ema_decay(step, args.ema_decay, args.ema_decay_ramp),
+            }
             update_ema(ema, params, diagnostics["ema_decay"])
 
         # ---- logging ----
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
             **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
-        }  # fmt: skip
+        }
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

@@ -1,7 +1,7 @@
 """Centered Reward Distillation (CRD), Zhu et al. 2026, arXiv 2603.14128 -- docs/crd.md
 
-    python algos/crd.py                                                    # tiny-shapes on CPU, a few minutes
-    torchrun --nproc-per-node 8 algos/crd.py --model stabilityai/stable-diffusion-3.5-medium --reward ocr  # see benchmark/
+python algos/crd.py                                                    # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/crd.py --model stabilityai/stable-diffusion-3.5-medium --reward ocr  # see benchmark/
 """
 
 import sys
@@ -93,7 +93,16 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    lora_targets: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
@@ -166,12 +175,14 @@ DECAY_PRESETS = {
 
 # ALGO LOGIC: CRD's math as small pure functions
 def snapshot_decay(spec: str, step: int) -> float:
-    """"start_step-start_value-slope-end_value": d = start_value before start_step, then grows linearly to end_value."""
+    """ "start_step-start_value-slope-end_value": d = start_value before start_step, then grows linearly to end_value."""
     spec = DECAY_PRESETS.get(spec, spec)
     try:
         start_step, start_value, slope, end_value = (float(x) for x in spec.split("-"))
     except ValueError:
-        raise common.UserError(f"bad decay {spec!r}: expected start_step-start_value-slope-end_value or one of {list(DECAY_PRESETS)}")
+        raise common.UserError(
+            f"bad decay {spec!r}: expected start_step-start_value-slope-end_value or one of {list(DECAY_PRESETS)}"
+        )
     if step < start_step:
         return start_value
     return min(start_value + (step - start_step) * slope, end_value)
@@ -279,8 +290,14 @@ def main(args: Args):
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.centering == "group" and args.micro_batch % args.group_size:
-        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}) for within-prompt centring")
-    snapshot_decay(args.old_model_decay, 0), snapshot_decay(args.sampling_model_decay, 0)  # a typo fails now, not after an epoch
+        raise common.UserError(
+            f"micro_batch ({args.micro_batch}) must hold whole groups "
+            f"(a multiple of group_size {args.group_size}) for within-prompt centring"
+        )
+    (
+        snapshot_decay(args.old_model_decay, 0),
+        snapshot_decay(args.sampling_model_decay, 0),
+    )  # a typo fails now, not after an epoch
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -325,7 +342,10 @@ def main(args: Args):
     sigmas = pipe.sigmas(args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     if dist.is_main:
-        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")
+        print(
+            f"training timesteps per micro-batch T={args.num_train_timesteps}, "
+            f"drawn from the {eligible} noisiest of {args.num_steps} steps"
+        )
 
     # TRY NOT TO MODIFY: generators, resume
     logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
@@ -347,32 +367,60 @@ def main(args: Args):
 
     def save(epoch):
         if dist.is_main:
-            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
-                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
-                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "eval_ema": eval_ema.state(),
-                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
-                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
-                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
-                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
+            common.save_checkpoint(
+                run_dir / "checkpoints" / "last.pt",
+                {
+                    "params": common.trainable_state(named),
+                    "optimizer": optimizer.state_dict(),
+                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                    "eval_ema": eval_ema.state(),
+                    "prompt_gen": prompt_gen.get_state(),
+                    "rng": common.rng_state(),
+                    "epoch": epoch,
+                    "step": step,
+                    "images_seen": images_seen,
+                    "args": vars(args),
+                    "sampler": {
+                        "num_steps": args.num_steps,
+                        "guidance_scale": args.guidance_scale,
+                        "dynamics": args.dynamics,
+                        "eta": args.eta,
+                        "scheduler": dict(pipe.scheduler.config),
+                    },
+                },
+                keep=args.keep_checkpoints,
+            )
+            common.export_lora(
+                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
+            )  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
             with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
                 imgs, scores = common.evaluate(
-                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    pipe,
+                    transformer,
+                    encoder,
+                    test_prompts,
+                    rewards.evaluate,
+                    num_steps=args.eval_num_steps or args.num_steps,
                     guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    seed=0,
+                    use_autocast=args.mixed_precision,
+                )
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
     bad_steps, stopped_at = 0, None
-    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -391,11 +439,19 @@ def main(args: Args):
             neg = encoder.negative(len(prompts))
             with common.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(
-                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
-                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta,
+                    transformer,
+                    pipe.scheduler,
+                    embeds,
+                    pooled,
+                    neg=neg,
+                    num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale,
+                    dynamics=args.dynamics,
+                    eta=args.eta,
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
-                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    latent_shape=pipe.latent_shape,
+                    use_autocast=args.mixed_precision,
+                )
             x0 = rollout.latents
             images = common.decode(pipe, x0)
 
@@ -427,7 +483,9 @@ def main(args: Args):
                     cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.reference_model(transformer):
-                            v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg) if args.kl_beta > 0 else None
+                            v_ref = (
+                                common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg) if args.kl_beta > 0 else None
+                            )
                             if not args.use_old_for_loss:  # implicit reward relative to the base model itself
                                 v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
                         if args.use_old_for_loss:
@@ -441,7 +499,9 @@ def main(args: Args):
             set_size = args.group_size if args.centering == "group" else args.micro_batch
             for k, (sl, s, xt, v_target, v_old, v_ref) in enumerate(batches):
                 with common.autocast(device, args.mixed_precision):
-                    v = common.velocity(transformer, xt, s, embeds[sl], pooled[sl], (neg[0][sl], neg[1][sl]), args.guidance_scale)
+                    v = common.velocity(
+                        transformer, xt, s, embeds[sl], pooled[sl], (neg[0][sl], neg[1][sl]), args.guidance_scale
+                    )
                 r_theta = implicit_reward(v, v_old, v_target, args.adaptive_logp)
                 policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
                 policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
@@ -465,8 +525,11 @@ def main(args: Args):
                     stats["grad_norm"].append(grad_norm)
 
             # ALGO LOGIC: snapshot updates, indexed by the optimizer step (as in the authors' Flow-Factory code)
-            diagnostics = {"old_decay": snapshot_decay(args.old_model_decay, step),
-                           "sampling_decay": snapshot_decay(args.sampling_model_decay, step), "kl_weight": kl_w.mean().item()}  # fmt: skip
+            diagnostics = {
+                "old_decay": snapshot_decay(args.old_model_decay, step),
+                "sampling_decay": snapshot_decay(args.sampling_model_decay, step),
+                "kl_weight": kl_w.mean().item(),
+            }
             update_snapshot(old_snapshot, params, diagnostics["old_decay"])
             update_snapshot(sampling_snapshot, params, diagnostics["sampling_decay"])
 
@@ -474,18 +537,24 @@ def main(args: Args):
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
             **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
-        }  # fmt: skip
+        }
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

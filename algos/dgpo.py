@@ -1,7 +1,7 @@
 """Direct Group Preference Optimization (DGPO), Luo, Hu & Tang 2025, arXiv 2510.08425 -- docs/dgpo.md
 
-    python algos/dgpo.py                                                   # tiny-shapes on CPU, a few minutes
-    torchrun --nproc-per-node 8 algos/dgpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
+python algos/dgpo.py                                                   # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/dgpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
 """
 
 import contextlib
@@ -96,7 +96,16 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    lora_targets: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
@@ -133,7 +142,8 @@ class Args:
     clip_range: float = 1e-2
     """eps of the DSM ratio clip: no gradient once the ratio is past 1 + eps (A > 0) or 1 - eps (A < 0) (paper code: 1e-2)"""
     use_ema_ref: bool = False
-    """implicit reward relative to the fast EMA ema_ref instead of the frozen base model (the TDM-R1 variant, beta 2000-5000)"""
+    """implicit reward relative to the fast EMA ema_ref instead of the frozen base model (the TDM-R1 variant,
+    beta 2000-5000)"""
     ema_ref_max_decay: float = 0.3
     """ema_ref decay d = min(max_decay, ramp_rate * step), updated after every optimizer step (paper: 0.3)"""
     ema_ref_ramp_rate: float = 1e-3
@@ -220,7 +230,10 @@ def main(args: Args):
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.micro_batch % args.group_size:
-        raise common.UserError(f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}): the preference weight sums over a whole group")
+        raise common.UserError(
+            f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}): "
+            "the preference weight sums over a whole group"
+        )
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -264,7 +277,10 @@ def main(args: Args):
     sigmas = pipe.sigmas(args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     if dist.is_main:
-        print(f"training timesteps per epoch T={args.num_train_timesteps} (shared by all groups), from the {eligible} noisiest of {args.num_steps} steps")
+        print(
+            f"training timesteps per epoch T={args.num_train_timesteps} (shared by all groups), "
+            f"from the {eligible} noisiest of {args.num_steps} steps"
+        )
 
     # TRY NOT TO MODIFY: generators, resume
     logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
@@ -286,32 +302,60 @@ def main(args: Args):
 
     def save(epoch):
         if dist.is_main:
-            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
-                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
-                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "eval_ema": eval_ema.state(),
-                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
-                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
-                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
-                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
+            common.save_checkpoint(
+                run_dir / "checkpoints" / "last.pt",
+                {
+                    "params": common.trainable_state(named),
+                    "optimizer": optimizer.state_dict(),
+                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                    "eval_ema": eval_ema.state(),
+                    "prompt_gen": prompt_gen.get_state(),
+                    "rng": common.rng_state(),
+                    "epoch": epoch,
+                    "step": step,
+                    "images_seen": images_seen,
+                    "args": vars(args),
+                    "sampler": {
+                        "num_steps": args.num_steps,
+                        "guidance_scale": args.guidance_scale,
+                        "dynamics": args.dynamics,
+                        "eta": args.eta,
+                        "scheduler": dict(pipe.scheduler.config),
+                    },
+                },
+                keep=args.keep_checkpoints,
+            )
+            common.export_lora(
+                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
+            )  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
             with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
                 imgs, scores = common.evaluate(
-                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    pipe,
+                    transformer,
+                    encoder,
+                    test_prompts,
+                    rewards.evaluate,
+                    num_steps=args.eval_num_steps or args.num_steps,
                     guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    seed=0,
+                    use_autocast=args.mixed_precision,
+                )
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
     bad_steps, stopped_at = 0, None
-    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -331,11 +375,19 @@ def main(args: Args):
             # the rollout policy theta^-: the current weights, then ema_ref after switch_ema_ref steps (paper App. E)
             with common.swapped_weights(params, ema_ref) if step > args.switch_ema_ref else contextlib.nullcontext():
                 rollout = common.sample(
-                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
-                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta,
+                    transformer,
+                    pipe.scheduler,
+                    embeds,
+                    pooled,
+                    neg=neg,
+                    num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale,
+                    dynamics=args.dynamics,
+                    eta=args.eta,
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
-                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    latent_shape=pipe.latent_shape,
+                    use_autocast=args.mixed_precision,
+                )
             x0 = rollout.latents
             images = common.decode(pipe, x0)
 
@@ -345,13 +397,22 @@ def main(args: Args):
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
-            )[local_idx].to(device)  # fmt: skip
+            )[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
 
         # ---- training ----
         with timer("training"):
-            stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "approx_kl": [], "clipfrac": [], "ratio_mean": [],
-                     "group_weight": [], "group_nll": [], "dsm": []}  # fmt: skip
+            stats = {
+                "policy_loss": [],
+                "kl_ref": [],
+                "grad_norm": [],
+                "approx_kl": [],
+                "clipfrac": [],
+                "ratio_mean": [],
+                "group_weight": [],
+                "group_nll": [],
+                "dsm": [],
+            }
             per_step = micro_per_step * args.num_train_timesteps
             k = 0
             for inner in range(args.num_inner_epochs):
@@ -359,7 +420,9 @@ def main(args: Args):
                 # (keyed by the global group index) reused at every timestep
                 timesteps = common.stratified_indices(eligible, args.num_train_timesteps, prompt_gen)
                 groups = local_idx[:: args.group_size] // args.group_size
-                eps = group_noise(common.keyed_generators(args.seed, epoch, "train", inner, indices=groups), args.group_size, x0.shape[1:]).to(device)
+                eps = group_noise(
+                    common.keyed_generators(args.seed, epoch, "train", inner, indices=groups), args.group_size, x0.shape[1:]
+                ).to(device)
                 for mb in range(num_micro):
                     sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
@@ -379,28 +442,43 @@ def main(args: Args):
                             v = common.velocity(transformer, xt, s, *cond)  # training forwards: no CFG
                         dsm = dsm_error(v, v_target)
                         if v_old is not None:
-                            clipped_dsm, ratio, clipped = clip_dsm_ratio(dsm, dsm_error(v_old, v_target), adv[sl], args.clip_range)
+                            clipped_dsm, ratio, clipped = clip_dsm_ratio(
+                                dsm, dsm_error(v_old, v_target), adv[sl], args.clip_range
+                            )
                             dsm = clipped_dsm if args.clip_dsm else dsm
                             stats["clipfrac"].append(clipped.float().mean().item() if args.clip_dsm else 0.0)
                             stats["ratio_mean"].append(ratio.mean().item())
                             stats["approx_kl"].append(0.5 * ratio.log().pow(2).mean().item())
                         dsm_ref = dsm_error(v_old if args.use_ema_ref else v_ref, v_target)
                         policy_loss, z = dgpo_loss(dsm, dsm_ref, adv[sl], args.group_size, args.dpo_beta)
-                        kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if args.kl_beta > 0 else torch.zeros((), device=device)
+                        kl = (
+                            (v - v_ref).pow(2).flatten(1).mean(1).mean()
+                            if args.kl_beta > 0
+                            else torch.zeros((), device=device)
+                        )
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         k += 1
-                        for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("group_weight", torch.sigmoid(z).mean()),
-                                            ("group_nll", -F.logsigmoid(-z).mean()), ("dsm", dsm.mean())):  # fmt: skip
+                        for name, value in (
+                            ("policy_loss", policy_loss),
+                            ("kl_ref", kl),
+                            ("group_weight", torch.sigmoid(z).mean()),
+                            ("group_nll", -F.logsigmoid(-z).mean()),
+                            ("dsm", dsm.mean()),
+                        ):
                             stats[name].append(value.item())
                         if k % per_step == 0:
                             grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
                             if grad_norm is None:  # non-finite: update skipped
                                 bad_steps += 1
-                                tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                                tqdm.write(
+                                    f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)"
+                                )
                                 if bad_steps >= 5:
                                     save(epoch)
-                                    raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                                    raise common.UserError(
+                                        "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
+                                    )
                                 continue
                             # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
                             update_ema(ema_ref, params, ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate))
@@ -408,26 +486,34 @@ def main(args: Args):
                             eval_ema.update(step)
                             stats["grad_norm"].append(grad_norm)
             ratios = stats.pop("ratio_mean")
-            diagnostics = {"ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
-                           "ema_ref_decay": ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate),
-                           "reward_std_group": rewards.total(scores).view(-1, args.group_size).std(1, unbiased=False).mean().item()}  # fmt: skip
+            diagnostics = {
+                "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
+                "ema_ref_decay": ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate),
+                "reward_std_group": rewards.total(scores).view(-1, args.group_size).std(1, unbiased=False).mean().item(),
+            }
 
         # ---- logging ----
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
             **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
-        }  # fmt: skip
+        }
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

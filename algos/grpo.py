@@ -1,7 +1,7 @@
 """Flow-GRPO, Liu et al. 2025, arXiv 2505.05470 -- docs/grpo.md
 
-    python algos/grpo.py                                                   # tiny-shapes on CPU, a few minutes
-    torchrun --nproc-per-node 8 algos/grpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
+python algos/grpo.py                                                   # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/grpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
 """
 
 import sys
@@ -11,7 +11,6 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
 
@@ -96,7 +95,16 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    lora_targets: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
     learning_rate: float = 1.5e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4); tiny-shapes needs a high one to move within minutes, but 3e-3 peaks
@@ -168,7 +176,8 @@ class Args:
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
 def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
-    """PPO's clipped surrogate on per-step likelihood ratios: mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)), r = p / p_old.
+    """PPO's clipped surrogate on per-step likelihood ratios (r = p / p_old):
+    mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
 
     `weight` [B] multiplies each sample's term inside the mean (zero_adv_filter). Returns (loss, ratio, approx_kl,
     clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
@@ -233,7 +242,9 @@ def main(args: Args):
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.dynamics == "ODE":
-        raise common.UserError("Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)")
+        raise common.UserError(
+            "Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)"
+        )
     if args.grpo_guard and args.log_prob_form != "gaussian":
         raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
 
@@ -278,10 +289,15 @@ def main(args: Args):
     if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
         window = [i for i in window if i < args.num_steps - 1]
     if not 1 <= args.num_sde_steps <= len(window):
-        raise common.UserError(f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})")
+        raise common.UserError(
+            f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
+        )
     snapshots = {}  # GRPO keeps no snapshot: old log-probs come from the rollout itself
     if dist.is_main:
-        print(f"trained SDE steps per trajectory={args.num_sde_steps} of the window {window}, PPO inner epochs={args.num_inner_epochs}")
+        print(
+            f"trained SDE steps per trajectory={args.num_sde_steps} of the window {window}, "
+            f"PPO inner epochs={args.num_inner_epochs}"
+        )
 
     # TRY NOT TO MODIFY: generators, resume
     logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
@@ -303,32 +319,60 @@ def main(args: Args):
 
     def save(epoch):
         if dist.is_main:
-            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
-                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
-                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "eval_ema": eval_ema.state(),
-                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
-                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
-                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
-                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
+            common.save_checkpoint(
+                run_dir / "checkpoints" / "last.pt",
+                {
+                    "params": common.trainable_state(named),
+                    "optimizer": optimizer.state_dict(),
+                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                    "eval_ema": eval_ema.state(),
+                    "prompt_gen": prompt_gen.get_state(),
+                    "rng": common.rng_state(),
+                    "epoch": epoch,
+                    "step": step,
+                    "images_seen": images_seen,
+                    "args": vars(args),
+                    "sampler": {
+                        "num_steps": args.num_steps,
+                        "guidance_scale": args.guidance_scale,
+                        "dynamics": args.dynamics,
+                        "eta": args.eta,
+                        "scheduler": dict(pipe.scheduler.config),
+                    },
+                },
+                keep=args.keep_checkpoints,
+            )
+            common.export_lora(
+                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
+            )  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
             with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
                 imgs, scores = common.evaluate(
-                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    pipe,
+                    transformer,
+                    encoder,
+                    test_prompts,
+                    rewards.evaluate,
+                    num_steps=args.eval_num_steps or args.num_steps,
                     guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    seed=0,
+                    use_autocast=args.mixed_precision,
+                )
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
     bad_steps, stopped_at = 0, None
-    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -349,14 +393,28 @@ def main(args: Args):
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
-            noise = common.randn((local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys))
+            noise = common.randn(
+                (local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys)
+            )
             rollout = common.sample(
-                transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps, noise=noise,
-                guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta, sde_steps=sde_steps,
-                generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx), keep_trajectory=True,
-                latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision, log_prob_form=args.log_prob_form,
+                transformer,
+                pipe.scheduler,
+                embeds,
+                pooled,
+                neg=neg,
+                num_steps=args.num_steps,
+                noise=noise,
+                guidance_scale=args.guidance_scale,
+                dynamics=args.dynamics,
+                eta=args.eta,
+                sde_steps=sde_steps,
+                generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
+                keep_trajectory=True,
+                latent_shape=pipe.latent_shape,
+                use_autocast=args.mixed_precision,
+                log_prob_form=args.log_prob_form,
                 keep_means=args.grpo_guard,
-            )  # fmt: skip
+            )
             images = common.decode(pipe, rollout.latents)
             sigmas = rollout.sigmas
 
@@ -365,9 +423,14 @@ def main(args: Args):
             # each rank scores its own images; advantages are computed over the whole epoch's batch
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
-                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std,
-                leave_one_out=args.leave_one_out, clip=args.adv_clip,
-            )  # fmt: skip
+                scores,
+                rewards.weights,
+                args.group_size,
+                args.advantage_aggregation,
+                args.advantage_std,
+                leave_one_out=args.leave_one_out,
+                clip=args.adv_clip,
+            )
             weight = zero_adv_weights(adv, args.grad_steps_per_epoch)[local_idx].to(device) if args.zero_adv_filter else None
             adv = adv[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
@@ -387,25 +450,49 @@ def main(args: Args):
                             v = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
                         # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
                         _, log_prob, mean, std = common.sde_step(
-                            x, v, sigmas[i], sigmas[i + 1], args.dynamics, args.eta, x_next=x_next, sigma_cap=float(sigmas[1]),
+                            x,
+                            v,
+                            sigmas[i],
+                            sigmas[i + 1],
+                            args.dynamics,
+                            args.eta,
+                            x_next=x_next,
+                            sigma_cap=float(sigmas[1]),
                             log_prob_form=args.log_prob_form,
-                        )  # fmt: skip
+                        )
                         old_log_prob = rollout.log_probs[idx, i]
                         if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
                             log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std)
                             old_log_prob = torch.zeros_like(log_prob)
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                            log_prob, old_log_prob, adv[idx], args.clip_low, args.clip_high, None if weight is None else weight[idx],
-                        )  # fmt: skip
+                            log_prob,
+                            old_log_prob,
+                            adv[idx],
+                            args.clip_low,
+                            args.clip_high,
+                            None if weight is None else weight[idx],
+                        )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
                         kl = torch.zeros((), device=device)
                         if args.kl_beta > 0:
-                            with torch.no_grad(), common.reference_model(transformer), common.autocast(device, args.mixed_precision):
+                            with (
+                                torch.no_grad(),
+                                common.reference_model(transformer),
+                                common.autocast(device, args.mixed_precision),
+                            ):
                                 v_ref = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
                             if args.kl_type == "x":
-                                _, _, mean_ref, _ = common.sde_step(x, v_ref, sigmas[i], sigmas[i + 1], args.dynamics, args.eta,
-                                                                    x_next=x_next, sigma_cap=float(sigmas[1]))  # fmt: skip
+                                _, _, mean_ref, _ = common.sde_step(
+                                    x,
+                                    v_ref,
+                                    sigmas[i],
+                                    sigmas[i + 1],
+                                    args.dynamics,
+                                    args.eta,
+                                    x_next=x_next,
+                                    sigma_cap=float(sigmas[1]),
+                                )
                                 kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
                             else:
                                 kl = (v - v_ref).pow(2).flatten(1).mean(1)
@@ -413,17 +500,26 @@ def main(args: Args):
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         k += 1
-                        for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("approx_kl", approx_kl),
-                                            ("clipfrac", clipfrac), ("ratio_mean", ratio.mean())):  # fmt: skip
+                        for name, value in (
+                            ("policy_loss", policy_loss),
+                            ("kl_ref", kl),
+                            ("approx_kl", approx_kl),
+                            ("clipfrac", clipfrac),
+                            ("ratio_mean", ratio.mean()),
+                        ):
                             stats[name].append(value.item())
                         if k % per_step == 0:
                             grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
                             if grad_norm is None:  # non-finite: update skipped
                                 bad_steps += 1
-                                tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
+                                tqdm.write(
+                                    f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)"
+                                )
                                 if bad_steps >= 5:
                                     save(epoch)
-                                    raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                                    raise common.UserError(
+                                        "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
+                                    )
                                 continue
                             bad_steps, step = 0, step + 1
                             eval_ema.update(step)
@@ -434,18 +530,24 @@ def main(args: Args):
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
             **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
-        }  # fmt: skip
+        }
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

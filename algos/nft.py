@@ -1,7 +1,7 @@
 """DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117 -- docs/nft.md
 
-    python algos/nft.py                                                    # tiny-shapes on CPU, a few minutes
-    torchrun --nproc-per-node 8 algos/nft.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # docs/nft.md
+python algos/nft.py                                                    # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/nft.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # docs/nft.md
 """
 
 import contextlib
@@ -93,7 +93,16 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    lora_targets: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
     learning_rate: float = 3e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4); higher than crd.py's 1e-3: one AdamW step per epoch (see docs)"""
@@ -252,7 +261,10 @@ def main(args: Args):
     sigmas = pipe.sigmas(args.num_steps, device)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     if dist.is_main:
-        print(f"training timesteps per micro-batch T={args.num_train_timesteps}, drawn from the {eligible} noisiest of {args.num_steps} steps")
+        print(
+            f"training timesteps per micro-batch T={args.num_train_timesteps}, "
+            f"drawn from the {eligible} noisiest of {args.num_steps} steps"
+        )
 
     # TRY NOT TO MODIFY: generators, resume
     logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
@@ -274,32 +286,60 @@ def main(args: Args):
 
     def save(epoch):
         if dist.is_main:
-            common.save_checkpoint(run_dir / "checkpoints" / "last.pt", {
-                "params": common.trainable_state(named), "optimizer": optimizer.state_dict(),
-                "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                "eval_ema": eval_ema.state(),
-                "prompt_gen": prompt_gen.get_state(), "rng": common.rng_state(),
-                "epoch": epoch, "step": step, "images_seen": images_seen, "args": vars(args),
-                "sampler": {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "dynamics": args.dynamics,
-                            "eta": args.eta, "scheduler": dict(pipe.scheduler.config)},
-            }, keep=args.keep_checkpoints)  # fmt: skip
-            common.export_lora(run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export())  # the model users load
+            common.save_checkpoint(
+                run_dir / "checkpoints" / "last.pt",
+                {
+                    "params": common.trainable_state(named),
+                    "optimizer": optimizer.state_dict(),
+                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+                    "eval_ema": eval_ema.state(),
+                    "prompt_gen": prompt_gen.get_state(),
+                    "rng": common.rng_state(),
+                    "epoch": epoch,
+                    "step": step,
+                    "images_seen": images_seen,
+                    "args": vars(args),
+                    "sampler": {
+                        "num_steps": args.num_steps,
+                        "guidance_scale": args.guidance_scale,
+                        "dynamics": args.dynamics,
+                        "eta": args.eta,
+                        "scheduler": dict(pipe.scheduler.config),
+                    },
+                },
+                keep=args.keep_checkpoints,
+            )
+            common.export_lora(
+                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
+            )  # the model users load
 
     def evaluate(epoch):
         if dist.is_main:
             with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
                 imgs, scores = common.evaluate(
-                    pipe, transformer, encoder, test_prompts, rewards.evaluate, num_steps=args.eval_num_steps or args.num_steps,
+                    pipe,
+                    transformer,
+                    encoder,
+                    test_prompts,
+                    rewards.evaluate,
+                    num_steps=args.eval_num_steps or args.num_steps,
                     guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    seed=0,
+                    use_autocast=args.mixed_precision,
+                )
             logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
             logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
             return {k: v.mean().item() for k, v in scores.items()}
 
     timer, stop = common.Timer(), common.GracefulStop()
     bad_steps, stopped_at = 0, None
-    pbar = tqdm(range(start_epoch, args.num_epochs), disable=not dist.is_main, desc=args.exp_name, initial=start_epoch, total=args.num_epochs)
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -318,11 +358,19 @@ def main(args: Args):
             neg = encoder.negative(len(prompts))
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
-                    transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=args.num_steps,
-                    guidance_scale=args.guidance_scale, dynamics=args.dynamics, eta=args.eta,
+                    transformer,
+                    pipe.scheduler,
+                    embeds,
+                    pooled,
+                    neg=neg,
+                    num_steps=args.num_steps,
+                    guidance_scale=args.guidance_scale,
+                    dynamics=args.dynamics,
+                    eta=args.eta,
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
-                    latent_shape=pipe.latent_shape, use_autocast=args.mixed_precision,
-                )  # fmt: skip
+                    latent_shape=pipe.latent_shape,
+                    use_autocast=args.mixed_precision,
+                )
             x0 = rollout.latents
             images = common.decode(pipe, x0)
 
@@ -338,7 +386,9 @@ def main(args: Args):
 
         # ---- training ----
         with timer("training"):
-            stats = {name: [] for name in ("policy_loss", "kl_ref", "grad_norm", "positive_loss", "negative_loss", "old_deviate")}
+            stats = {
+                name: [] for name in ("policy_loss", "kl_ref", "grad_norm", "positive_loss", "negative_loss", "old_deviate")
+            }
             per_step = micro_per_step * args.num_train_timesteps
             k = 0
             train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
@@ -367,8 +417,13 @@ def main(args: Args):
                     (loss / per_step).backward()
                     k += 1
                     old_deviate = (v.detach() - v_old).pow(2).mean()  # how far the trained velocity is from the old one
-                    for name, value in (("policy_loss", policy_loss), ("kl_ref", kl), ("positive_loss", pos.mean()),
-                                        ("negative_loss", negl.mean()), ("old_deviate", old_deviate)):  # fmt: skip
+                    for name, value in (
+                        ("policy_loss", policy_loss),
+                        ("kl_ref", kl),
+                        ("positive_loss", pos.mean()),
+                        ("negative_loss", negl.mean()),
+                        ("old_deviate", old_deviate),
+                    ):
                         stats[name].append(value.item())
                     if k % per_step == 0:
                         grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
@@ -377,7 +432,9 @@ def main(args: Args):
                             tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
                             if bad_steps >= 5:
                                 save(epoch)
-                                raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
+                                raise common.UserError(
+                                    "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
+                                )
                             continue
                         bad_steps, step = 0, step + 1
                         eval_ema.update(step)
@@ -385,27 +442,35 @@ def main(args: Args):
 
             # ALGO LOGIC: soft update of the old policy once per epoch, its decay indexed by the optimizer step (official code)
             flat_groups = rewards.total(scores).view(-1, args.group_size).std(1) < 1e-8  # r = 0.5 for the whole group
-            diagnostics = {"old_decay": old_decay(step, args.decay_flat_steps, args.decay_ramp, args.decay_max),
-                           "zero_std_ratio": flat_groups.float().mean().item(),
-                           "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item()}  # fmt: skip
+            diagnostics = {
+                "old_decay": old_decay(step, args.decay_flat_steps, args.decay_ramp, args.decay_max),
+                "zero_std_ratio": flat_groups.float().mean().item(),
+                "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item(),
+            }
             update_ema(ema, params, diagnostics["old_decay"])
 
         # ---- logging ----
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
-            "charts/reward_mean": reward_total.mean(), "charts/reward_std": reward_total.std(),
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
             **{f"charts/{k}": v.mean() for k, v in scores.items()},
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
             **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
-        }  # fmt: skip
+        }
         metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
-            logger.images("train/images", images[:16], [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])], images_seen)
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
         pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close

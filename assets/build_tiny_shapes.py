@@ -61,30 +61,54 @@ def build_tokenizer(words, max_tokens=MAX_TOKENS):
 def build_text_encoder(tok, seed):
     torch.manual_seed(seed)
     cfg = CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=TEXT_DIM, intermediate_size=2 * TEXT_DIM, num_hidden_layers=3,
-        num_attention_heads=4, projection_dim=TEXT_DIM, max_position_embeddings=tok.model_max_length,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=TEXT_DIM,
+        intermediate_size=2 * TEXT_DIM,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        projection_dim=TEXT_DIM,
+        max_position_embeddings=tok.model_max_length,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return CLIPTextModelWithProjection(cfg)
 
 
 def build_vae(seed):
     torch.manual_seed(seed)
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=world.SIZE,
-        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 64), layers_per_block=1, norm_num_groups=8,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.0, shift_factor=0.0,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=world.SIZE,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
 
 
 def build_transformer(seed, layers):
     torch.manual_seed(seed)
     return SD3Transformer2DModel(
-        sample_size=world.SIZE // 4, patch_size=2, in_channels=4, out_channels=4, num_layers=layers,
-        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=2 * TEXT_DIM,
-        caption_projection_dim=128, pooled_projection_dim=2 * TEXT_DIM, pos_embed_max_size=16,
-    )  # fmt: skip
+        sample_size=world.SIZE // 4,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=2 * TEXT_DIM,
+        caption_projection_dim=128,
+        pooled_projection_dim=2 * TEXT_DIM,
+        pos_embed_max_size=16,
+    )
 
 
 def lr_at(step, total, peak, warmup=200):
@@ -177,7 +201,9 @@ def train_flow(pipe, latents, caption_idx, unique_prompts, steps, batch, lr, log
             for e, p in zip(ema, params):
                 e.lerp_(p.detach(), 1 - decay)
         if step % 200 == 0 or step == steps - 1:
-            log(f"flow step {step}/{steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} ({time.time() - t0:.0f}s)")
+            log(
+                f"flow step {step}/{steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} ({time.time() - t0:.0f}s)"
+            )
     with torch.no_grad():
         for e, p in zip(ema, params):
             p.copy_(e)
@@ -254,9 +280,14 @@ def main():
     pipe = StableDiffusion3Pipeline(
         transformer=build_transformer(seed=13, layers=args.layers),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_SHIFT),
-        vae=vae, text_encoder=te1, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok,
-        text_encoder_3=None, tokenizer_3=None,
-    )  # fmt: skip
+        vae=vae,
+        text_encoder=te1,
+        tokenizer=tok,
+        text_encoder_2=te2,
+        tokenizer_2=tok,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     log(f"transformer {n_params / 1e6:.2f}M params, vae {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M")
     train_flow(pipe, latents, caption_idx, unique_prompts, args.flow_steps, args.batch, args.lr, log)

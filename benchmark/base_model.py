@@ -41,8 +41,13 @@ def ocr_evaluate():
 def shapes_evaluate(images, prompts):
     """The shapes metrics every training script's eval logs (eval/shapes, shapes_strict, shapes_exact, ...)."""
     m = shapes.evaluate(images, prompts, [shapes.wrong_prompt(p) for p in prompts])
-    return {"score": m["score"], "strict": m["strict"], "exact": m["exact"], "extra objects": m["extra"],
-            "prompt-specific gap": m["score"] - m["wrong"]}  # fmt: skip
+    return {
+        "score": m["score"],
+        "strict": m["strict"],
+        "exact": m["exact"],
+        "extra objects": m["extra"],
+        "prompt-specific gap": m["score"] - m["wrong"],
+    }
 
 
 def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes_evaluate):
@@ -51,8 +56,17 @@ def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes_eval
     per_cat = defaultdict(lambda: defaultdict(list))
     images = []
     for seed in seeds:
-        imgs, _ = common.evaluate(pipe, pipe.transformer, encoder, prompts, lambda i, p: {}, num_steps=num_steps,
-                                  guidance_scale=guidance_scale, seed=seed, repeats=1)  # fmt: skip
+        imgs, _ = common.evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            lambda i, p: {},
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            repeats=1,
+        )
         result = scorer(imgs, prompts)
         for i, r in enumerate(rows):
             for cat in (r.get("category", "all"), "overall"):

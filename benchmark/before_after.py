@@ -28,7 +28,11 @@ def main():
     draw = ImageDraw.Draw(canvas)
     y = 0
     for image, images_seen in zip((first, last), steps):
-        label = "base model" if images_seen == 0 else f"after {images_seen} images of RL" + (f": {args.title}" if args.title else "")
+        label = (
+            "base model"
+            if images_seen == 0
+            else f"after {images_seen} images of RL" + (f": {args.title}" if args.title else "")
+        )
         draw.text((4, y + 4), label, fill="black")
         canvas.paste(image, (0, y + band))
         y += band + image.height

@@ -40,10 +40,20 @@ sys.path.insert(0, str(REPO))
 
 # stabilityai/stable-diffusion-3.5-medium transformer/config.json (diffusers SD3Transformer2DModel): 2.24B parameters
 SD35_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
-    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
-)  # fmt: skip
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
 TEXT_ENCODERS_GB = (123e6 + 695e6 + 4762e6) * 2 / 1e9  # CLIP-L + CLIP-G + T5-XXL parameters, bf16
 VAE_GB = 84e6 * 2 / 1e9
 EXTRA = {  # per-algorithm flags that keep one epoch to one trained timestep; CFG as in each paper script
@@ -66,22 +76,55 @@ def build_standin_pipeline(path: Path):
     encoders = []
     for seed, proj in ((0, 768), (1, 1280)):
         torch.manual_seed(seed)
-        encoders.append(CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            projection_dim=proj, max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )))  # fmt: skip
+        encoders.append(
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(tok),
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    projection_dim=proj,
+                    max_position_embeddings=77,
+                    bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            )
+        )
     vae = AutoencoderKL(  # SD3.5's VAE architecture (vae/config.json), random weights
-        in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-        norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        norm_num_groups=32,
+        sample_size=1024,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
         use_post_quant_conv=False,
-    )  # fmt: skip
-    small = {**SD35_MEDIUM, "num_layers": 1, "num_attention_heads": 2, "caption_projection_dim": 128, "dual_attention_layers": ()}
+    )
+    small = {
+        **SD35_MEDIUM,
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "caption_projection_dim": 128,
+        "dual_attention_layers": (),
+    }
     pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(**small), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=encoders[0], tokenizer=tok, text_encoder_2=encoders[1], tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None,
-    )  # fmt: skip
+        transformer=SD3Transformer2DModel(**small),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=encoders[0],
+        tokenizer=tok,
+        text_encoder_2=encoders[1],
+        tokenizer_2=tok,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     pipe.save_pretrained(path)
 
 
@@ -147,18 +190,23 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
             torch.set_default_dtype(default)
         pipe.transformer = big.requires_grad_(False).eval().to(device)
         meter.param_ptrs = {p.untyped_storage().data_ptr() for p in big.parameters()}
-        print(f"built SD3.5-M transformer: {sum(p.numel() for p in big.parameters()) / 1e9:.2f}B params in "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"built SD3.5-M transformer: {sum(p.numel() for p in big.parameters()) / 1e9:.2f}B params in "
+            f"{time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         return pipe
 
     common.load_pipeline = load_with_sd35
     prompts = Path(out_dir) / "prompts.txt"
     prompts.write_text("a red circle\n")
-    flags = (f"--model {folder} --resolution {resolution} --base-dtype bfloat16 --mixed-precision --lora-rank 32 "
-             f"--lora-alpha 64 --reward jpeg_compressibility --train-prompts {prompts} --test-prompts {prompts} "
-             f"--num-prompts 1 --group-size 2 --num-steps 2 --grad-steps-per-epoch 1 --num-epochs 1 --eval-every 1000 "
-             f"--eval-num-steps 1 --save-every 1000 --keep-checkpoints 0 --output-dir {out_dir}/runs {EXTRA[algo]}"
-             + (" --gradient-checkpointing" if gc else "")).split()  # fmt: skip
+    flags = (
+        f"--model {folder} --resolution {resolution} --base-dtype bfloat16 --mixed-precision --lora-rank 32 "
+        f"--lora-alpha 64 --reward jpeg_compressibility --train-prompts {prompts} --test-prompts {prompts} "
+        f"--num-prompts 1 --group-size 2 --num-steps 2 --grad-steps-per-epoch 1 --num-epochs 1 --eval-every 1000 "
+        f"--eval-num-steps 1 --save-every 1000 --keep-checkpoints 0 --output-dir {out_dir}/runs {EXTRA[algo]}"
+        + (" --gradient-checkpointing" if gc else "")
+    ).split()
     module = importlib.import_module(f"algos.{algo}")
     args = tyro.cli(module.Args, args=flags)
     t0 = time.perf_counter()
@@ -172,11 +220,24 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
     acc.Reload()
     times = {tag.split("/")[1]: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"] if tag.startswith("time/")}
     lora = sd35_lora_params(args)
-    print("RESULT " + json.dumps({
-        "algo": algo, "gc": gc, "resolution": resolution, "total_s": total, **times, "lora_params": lora,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "saved_gb": meter.peak / 1e9,
-        "tokens": (resolution // 16) ** 2 + 78, "micro_batch": args.micro_batch,
-    }), flush=True)  # fmt: skip
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "algo": algo,
+                "gc": gc,
+                "resolution": resolution,
+                "total_s": total,
+                **times,
+                "lora_params": lora,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                "saved_gb": meter.peak / 1e9,
+                "tokens": (resolution // 16) ** 2 + 78,
+                "micro_batch": args.micro_batch,
+            }
+        ),
+        flush=True,
+    )
 
 
 def sd35_lora_params(args) -> int:
@@ -222,7 +283,17 @@ def main():
         for algo, gc in runs:
             work = Path(tmp) / f"{algo}{'_gc' if gc else ''}"
             work.mkdir()
-            cmd = [sys.executable, __file__, "--resolution", str(a.resolution), "--child", algo, str(folder), str(int(gc)), str(work)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--resolution",
+                str(a.resolution),
+                "--child",
+                algo,
+                str(folder),
+                str(int(gc)),
+                str(work),
+            ]
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -233,17 +304,24 @@ def main():
             r["wall_s"] = time.perf_counter() - t0
             results.append(r)
             print(json.dumps(r), flush=True)
-    rows = ["| algorithm | grad. ckpt | sampling s | training s | peak RSS GB | saved activations GB | GPU est. 512 px GB "
-            "(text enc. offloaded) | GPU est. 512 px + grad. ckpt GB |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| algorithm | grad. ckpt | sampling s | training s | peak RSS GB | saved activations GB | GPU est. 512 px GB "
+        "(text enc. offloaded) | GPU est. 512 px + grad. ckpt GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r["gc"]:  # checkpointing hides the saved activations from the meter: estimates come from the run without
-            rows.append(f"| {r['algo']} | yes | {r.get('sampling', float('nan')):.0f} | {r.get('training', float('nan')):.0f} | "
-                        f"{r['peak_rss_gb']:.1f} | - | - | - |")  # fmt: skip
+            rows.append(
+                f"| {r['algo']} | yes | {r.get('sampling', float('nan')):.0f} | {r.get('training', float('nan')):.0f} | "
+                f"{r['peak_rss_gb']:.1f} | - | - | - |"
+            )
             continue
-        rows.append(f"| {r['algo']} | {'yes' if r['gc'] else 'no'} | {r.get('sampling', float('nan')):.0f} | "
-                    f"{r.get('training', float('nan')):.0f} | {r['peak_rss_gb']:.1f} | {r['saved_gb']:.2f} | "
-                    f"{gpu_estimate(r, False, False):.1f} ({gpu_estimate(r, False, True):.1f}) | "
-                    f"{gpu_estimate(r, True, True):.1f} |")  # fmt: skip
+        rows.append(
+            f"| {r['algo']} | {'yes' if r['gc'] else 'no'} | {r.get('sampling', float('nan')):.0f} | "
+            f"{r.get('training', float('nan')):.0f} | {r['peak_rss_gb']:.1f} | {r['saved_gb']:.2f} | "
+            f"{gpu_estimate(r, False, False):.1f} ({gpu_estimate(r, False, True):.1f}) | "
+            f"{gpu_estimate(r, True, True):.1f} |"
+        )
     table = "\n".join(rows)
     print(table)
     if a.out:

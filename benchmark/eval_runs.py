@@ -38,8 +38,18 @@ def score(model: str, prompts: list, seeds: list, lora=None) -> dict:
     encoder, rewards = common.PromptEncoder(pipe), load_rewards("shapes_clean", "cpu")
     out = defaultdict(list)
     for seed in seeds:
-        _, scores = common.evaluate(pipe, pipe.transformer, encoder, prompts, rewards.evaluate, num_steps=10,
-                                    guidance_scale=1.0, seed=1000 * seed, repeats=1, progress=False)  # fmt: skip
+        _, scores = common.evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            rewards.evaluate,
+            num_steps=10,
+            guidance_scale=1.0,
+            seed=1000 * seed,
+            repeats=1,
+            progress=False,
+        )
         for k in METRICS:
             out[k].append(scores[k])
     return {k: torch.cat(v).mean().item() for k, v in out.items()}
@@ -69,7 +79,9 @@ def main():
         algo = json.loads((run / "args.json").read_text()).get("exp_name", run.name)
         by_algo[algo].append(result)
         print(f"| {run.name} | " + " | ".join(f"{result[k]:.3f}" for k in METRICS) + " |", flush=True)
-    print("\n| algorithm | runs | " + " | ".join(f"{k} (gain ± se)" for k in METRICS) + " |\n|---|---|" + "---|" * len(METRICS))
+    print(
+        "\n| algorithm | runs | " + " | ".join(f"{k} (gain ± se)" for k in METRICS) + " |\n|---|---|" + "---|" * len(METRICS)
+    )
     for algo, results in by_algo.items():
         cells = []
         for k in METRICS:

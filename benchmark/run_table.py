@@ -1,6 +1,6 @@
 """The CPU results table: every algorithm on an embedded model, several seeds, each with its default hyperparameters.
 
-    python benchmark/run_table.py --jobs 2 --threshold 0.45         # shapes_clean (the default), 3 seeds: ~40 min on 2 idle cores
+    python benchmark/run_table.py --jobs 2 --threshold 0.45         # shapes_clean, 3 seeds: ~40 min on 2 idle cores
     python benchmark/run_table.py --jobs 2 --reward jpeg_compressibility --threshold -0.5 --epochs 20 --extra --eval-every 2
     python benchmark/run_table.py --jobs 2 --seeds 1 --reward ocr --threshold 0.75 --extra --model assets/tiny-text \
         --train-prompts assets/text_train.jsonl --test-prompts assets/text_test.jsonl        # OCR on tiny-text: 20 min
@@ -39,8 +39,21 @@ def run(algo, seed, args, out):
     if args.quick:
         epochs = max(2, epochs // 3)
     log = out / f"{algo}__{seed}.log"
-    cmd = [sys.executable, str(REPO / "algos" / f"{algo}.py"), "--reward", args.reward, "--seed", str(seed),
-           "--num-epochs", str(epochs), "--output-dir", str(out / "runs"), "--exp-name", algo, *args.extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "algos" / f"{algo}.py"),
+        "--reward",
+        args.reward,
+        "--seed",
+        str(seed),
+        "--num-epochs",
+        str(epochs),
+        "--output-dir",
+        str(out / "runs"),
+        "--exp-name",
+        algo,
+        *args.extra,
+    ]
     print(" ".join(cmd[1:]), flush=True)
     # parallel runs share the cores: one OpenMP pool each, sized so they do not oversubscribe (spin-waiting threads
     # of two oversubscribed pools slow both runs down several times)
@@ -62,13 +75,21 @@ def read_run(run_dir: Path, reward: str):
     ev = series(f"eval/{reward}")
     t0 = min(e.wall_time for tag in tags for e in acc.Scalars(tag))
     out = {
-        "images": np.array([s for s, _, _ in ev]), "wall": np.array([w - t0 for _, w, _ in ev]),
+        "images": np.array([s for s, _, _ in ev]),
+        "wall": np.array([w - t0 for _, w, _ in ev]),
         "score": np.array([v for _, _, v in ev]),
-        "strict": np.array([v for _, _, v in series(f"eval/{reward}_strict" if f"eval/{reward}_strict" in tags else "eval/shapes_strict")]),
+        "strict": np.array(
+            [v for _, _, v in series(f"eval/{reward}_strict" if f"eval/{reward}_strict" in tags else "eval/shapes_strict")]
+        ),
         # the hacking-sensitive metrics of the shapes rewards (absent for other rewards)
-        **{k: np.array([v for _, _, v in series(f"eval/{k}")]) for k in ("shapes", "shapes_exact", "objects_extra", "prompt_specific_gap")},
-        "time": {k: float(np.mean([v for _, _, v in series(f"time/{k}")] or [np.nan])) for k in ("sampling", "reward", "training")},
-    }  # fmt: skip
+        **{
+            k: np.array([v for _, _, v in series(f"eval/{k}")])
+            for k in ("shapes", "shapes_exact", "objects_extra", "prompt_specific_gap")
+        },
+        "time": {
+            k: float(np.mean([v for _, _, v in series(f"time/{k}")] or [np.nan])) for k in ("sampling", "reward", "training")
+        },
+    }
     log = run_dir.parents[1] / f"{run_dir.name.split('__')[1]}__{run_dir.name.split('__')[2]}.log"
     rss = re.findall(r"peak RSS (\d+) MB", log.read_text()) if log.exists() else []
     out["rss"] = float(rss[-1]) if rss else np.nan
@@ -85,7 +106,9 @@ def fmt(values, digits=3):
     values = np.asarray(values, dtype=float)
     if np.isnan(values).all():
         return "n/a"
-    return f"{np.nanmean(values):.{digits}f} ± {np.nanstd(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
+    return (
+        f"{np.nanmean(values):.{digits}f} ± {np.nanstd(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
+    )
 
 
 def fmt_reach(values, digits=0):
@@ -113,25 +136,34 @@ def gain(runs, key):
 def table(results, args, out):
     model = Path(args.extra[args.extra.index("--model") + 1]).name if "--model" in args.extra else "tiny-shapes"
     hacking = any(len(r["shapes_exact"]) for runs in results.values() for r in runs)
-    lines = [f"Reward `{args.reward}`, {model}, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
-             f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
-             f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}."
-             + (" exact = every asked object and nothing else; extra = objects not asked for, per image; gap = score "
-                "against the image's own prompt minus against another prompt of its category; gains are final - base "
-                "± standard error over seeds." if hacking else ""), "",
-             "| algorithm | seeds | base | final | final strict | "
-             + ("shapes (GenEval-style) | final exact | exact gain | extra objects/img | prompt-specific gap | " if hacking else "")
-             + "images to reach (seeds) | wall-clock to reach, s (seeds) | "
-             "s/epoch sampling / reward / training | training / sampling | peak RSS (MB) |",
-             "|---|---|---|---|---|" + ("---|---|---|---|---|" if hacking else "") + "---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Reward `{args.reward}`, {model}, held-out prompts (ODE, fixed noise); mean ± std over seeds. "
+        f"Threshold for the 'to reach' columns: {args.threshold}. Commits: "
+        f"{', '.join(sorted({r['commit'] for runs in results.values() for r in runs}))}."
+        + (
+            " exact = every asked object and nothing else; extra = objects not asked for, per image; gap = score "
+            "against the image's own prompt minus against another prompt of its category; gains are final - base "
+            "± standard error over seeds."
+            if hacking
+            else ""
+        ),
+        "",
+        "| algorithm | seeds | base | final | final strict | "
+        + ("shapes (GenEval-style) | final exact | exact gain | extra objects/img | prompt-specific gap | " if hacking else "")
+        + "images to reach (seeds) | wall-clock to reach, s (seeds) | "
+        "s/epoch sampling / reward / training | training / sampling | peak RSS (MB) |",
+        "|---|---|---|---|---|" + ("---|---|---|---|---|" if hacking else "") + "---|---|---|---|---|",
+    ]
     for algo, runs in results.items():
         reach = [first_reach(r["images"], r["wall"], r["score"], args.threshold) for r in runs]
         t = {k: np.mean([r["time"][k] for r in runs]) for k in ("sampling", "reward", "training")}
         extra = ""
         if hacking:
-            extra = (f"{fmt([last(r, 'shapes') for r in runs])} | {fmt([last(r, 'shapes_exact') for r in runs])} | "
-                     f"{gain(runs, 'shapes_exact')} | {fmt([last(r, 'objects_extra') for r in runs], 2)} | "
-                     f"{fmt([last(r, 'prompt_specific_gap') for r in runs])} | ")  # fmt: skip
+            extra = (
+                f"{fmt([last(r, 'shapes') for r in runs])} | {fmt([last(r, 'shapes_exact') for r in runs])} | "
+                f"{gain(runs, 'shapes_exact')} | {fmt([last(r, 'objects_extra') for r in runs], 2)} | "
+                f"{fmt([last(r, 'prompt_specific_gap') for r in runs])} | "
+            )
         lines.append(
             f"| [{algo}](../../../docs/{algo}.md) | {len(runs)} | {fmt([r['score'][0] for r in runs])} | "
             f"{fmt([r['score'][-1] for r in runs])} | {fmt([last(r, 'strict') for r in runs])} | {extra}"
@@ -142,9 +174,12 @@ def table(results, args, out):
         )
     if hacking:
         base = next(iter(results.values()))[0]
-        lines += ["", f"Base model on these prompts and noises: shapes {base['shapes'][0]:.3f}, strict {base['strict'][0]:.3f}, "
-                      f"exact {base['shapes_exact'][0]:.3f}, extra objects/img {base['objects_extra'][0]:.2f}, "
-                      f"prompt-specific gap {base['prompt_specific_gap'][0]:.3f}."]  # fmt: skip
+        lines += [
+            "",
+            f"Base model on these prompts and noises: shapes {base['shapes'][0]:.3f}, strict {base['strict'][0]:.3f}, "
+            f"exact {base['shapes_exact'][0]:.3f}, extra objects/img {base['objects_extra'][0]:.2f}, "
+            f"prompt-specific gap {base['prompt_specific_gap'][0]:.3f}.",
+        ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -158,7 +193,10 @@ def plots(results, args, out):
     panels = [("score", f"held-out {args.reward} (trained on)")]
     if any(len(r["shapes_exact"]) for runs in results.values() for r in runs):
         panels += [("shapes_exact", "held-out exact (not trained on)"), ("objects_extra", "extra objects per image")]
-    for x_key, x_label, name in (("images", "images sampled", "score_vs_images.png"), ("wall", "wall-clock (s)", "score_vs_time.png")):
+    for x_key, x_label, name in (
+        ("images", "images sampled", "score_vs_images.png"),
+        ("wall", "wall-clock (s)", "score_vs_time.png"),
+    ):
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), dpi=110, squeeze=False)
         for ax, (key, label) in zip(axes[0], panels):
             for algo, runs in results.items():
@@ -205,7 +243,9 @@ def main():
         latest = {}
         for d in dirs:  # the newest run per seed
             latest[d.name.split("__")[2]] = d
-        runs = [read_run(d, args.reward.split(":")[0].split(",")[0]) for s, d in sorted(latest.items()) if int(s) in args.seeds]
+        runs = [
+            read_run(d, args.reward.split(":")[0].split(",")[0]) for s, d in sorted(latest.items()) if int(s) in args.seeds
+        ]
         if runs:
             results[algo] = runs
     table(results, args, out)

@@ -45,14 +45,31 @@ def main():
     def ours(g):
         enc = common.PromptEncoder(pipe)  # fresh: no cached embeddings, like the pipeline call
         embeds, pooled = enc(prompts)
-        out = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(prompts)),
-                            num_steps=args.num_steps, guidance_scale=g, noise=noise)  # fmt: skip
+        out = common.sample(
+            pipe.transformer,
+            pipe.scheduler,
+            embeds,
+            pooled,
+            neg=enc.negative(len(prompts)),
+            num_steps=args.num_steps,
+            guidance_scale=g,
+            noise=noise,
+        )
         return common.decode(pipe, out.latents)
 
     def theirs(g):
         msl = 1 if pipe.text_encoder_3 is None else 128
-        return pipe(prompt=prompts, latents=noise.clone().to(device), num_inference_steps=args.num_steps, guidance_scale=g,
-                    height=height, width=height, sigmas=sigmas, max_sequence_length=msl, output_type="pt").images  # fmt: skip
+        return pipe(
+            prompt=prompts,
+            latents=noise.clone().to(device),
+            num_inference_steps=args.num_steps,
+            guidance_scale=g,
+            height=height,
+            width=height,
+            sigmas=sigmas,
+            max_sequence_length=msl,
+            output_type="pt",
+        ).images
 
     def timed(fn, g):
         if device.type == "cuda":
@@ -64,9 +81,14 @@ def main():
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
-    print(f"model {args.model}, {args.num_images} images x {args.num_steps} steps at {height}px, device {device}, "
-          f"{args.threads} threads, median of {args.repeats}\n")  # fmt: skip
-    print("| CFG | diffusers pipeline (s) | cleanflow sampler (s) | ratio pipeline/ours | max abs image diff |\n|---|---|---|---|---|")
+    print(
+        f"model {args.model}, {args.num_images} images x {args.num_steps} steps at {height}px, device {device}, "
+        f"{args.threads} threads, median of {args.repeats}\n"
+    )
+    print(
+        "| CFG | diffusers pipeline (s) | cleanflow sampler (s) | ratio pipeline/ours | max abs image diff |\n"
+        "|---|---|---|---|---|"
+    )
     for g in (1.0, 4.5):
         timed(ours, g), timed(theirs, g)  # warm-up
         t_ours, t_theirs = [], []

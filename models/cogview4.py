@@ -15,7 +15,9 @@ import torch
 import common
 
 VAE_FACTOR = 8  # CogView4-6B's VAE: the micro-conditioning sizes are in pixels
-SHIFT = dict(base_image_seq_len=256, base_shift=0.25, max_shift=0.75)  # the released scheduler config (and the pipeline's defaults)
+SHIFT = dict(
+    base_image_seq_len=256, base_shift=0.25, max_shift=0.75
+)  # the released scheduler config (and the pipeline's defaults)
 
 
 def mu(config, tokens, num_steps):
@@ -26,8 +28,15 @@ def mu(config, tokens, num_steps):
 
 def encode(pipe, prompts, device, max_sequence_length):
     length = -(-max_sequence_length // 16) * 16
-    ids = pipe.tokenizer(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True,
-                         padding_side="left", return_tensors="pt").input_ids  # fmt: skip
+    ids = pipe.tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=length,
+        truncation=True,
+        add_special_tokens=True,
+        padding_side="left",
+        return_tensors="pt",
+    ).input_ids
     e = pipe.text_encoder(ids.to(device), output_hidden_states=True).hidden_states[-2].to(pipe.text_encoder.dtype)
     return e, e.new_zeros(e.shape[0], 0)
 
@@ -44,8 +53,15 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
     crop = torch.zeros(b, 2, dtype=dtype, device=x.device)
 
     def call(e):
-        return transformer(hidden_states=x.to(dtype), encoder_hidden_states=e.to(dtype), timestep=t, original_size=size,
-                           target_size=size, crop_coords=crop, return_dict=False)[0].float()  # fmt: skip
+        return transformer(
+            hidden_states=x.to(dtype),
+            encoder_hidden_states=e.to(dtype),
+            timestep=t,
+            original_size=size,
+            target_size=size,
+            crop_coords=crop,
+            return_dict=False,
+        )[0].float()
 
     v = call(embeds)
     if guidance_scale > 1.0:
@@ -61,7 +77,14 @@ def latent_shape(pipe, resolution):
 
 
 FAMILY = common.Family(
-    name="cogview4", pipelines=("CogView4Pipeline",), transformer="CogView4Transformer2DModel", encode=encode,
-    velocity=velocity, latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2] // 4, mu=mu,
-)  # fmt: skip
+    name="cogview4",
+    pipelines=("CogView4Pipeline",),
+    transformer="CogView4Transformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4,
+    mu=mu,
+)

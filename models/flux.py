@@ -48,9 +48,15 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
     # FLUX takes timestep = sigma (FluxPipeline passes t / 1000) and scales it, and the guidance, by 1000 itself
     out = transformer(
-        hidden_states=pack_latents(x).to(dtype), timestep=sigma, guidance=guidance, encoder_hidden_states=embeds.to(dtype),
-        pooled_projections=pooled.to(dtype), txt_ids=txt_ids, img_ids=image_ids(h, w, x.device), return_dict=False,
-    )[0].float()  # fmt: skip
+        hidden_states=pack_latents(x).to(dtype),
+        timestep=sigma,
+        guidance=guidance,
+        encoder_hidden_states=embeds.to(dtype),
+        pooled_projections=pooled.to(dtype),
+        txt_ids=txt_ids,
+        img_ids=image_ids(h, w, x.device),
+        return_dict=False,
+    )[0].float()
     return unpack_latents(out, h, w)
 
 
@@ -61,8 +67,15 @@ def latent_shape(pipe, resolution):
 
 
 FAMILY = common.Family(
-    name="flux", pipelines=("FluxPipeline",), transformer="FluxTransformer2DModel", encode=encode, velocity=velocity,
-    latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu,
+    name="flux",
+    pipelines=("FluxPipeline",),
+    transformer="FluxTransformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4,
+    mu=common.linear_mu,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-)  # fmt: skip
+)

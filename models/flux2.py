@@ -42,8 +42,15 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
     def call(e):
         img_ids, txt_ids = ids(b, h, w, e.shape[1], x.device)
         guidance = torch.full_like(sigma, guidance_scale) if guided else None
-        out = transformer(hidden_states=tokens, timestep=sigma, guidance=guidance, encoder_hidden_states=e.to(transformer.dtype),
-                          txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0].float()  # fmt: skip
+        out = transformer(
+            hidden_states=tokens,
+            timestep=sigma,
+            guidance=guidance,
+            encoder_hidden_states=e.to(transformer.dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0].float()
         return out.transpose(1, 2).reshape(b, c, h, w)
 
     v = call(embeds)
@@ -76,8 +83,15 @@ def decode(pipe, z):
 
 
 FAMILY = common.Family(
-    name="flux2", pipelines=("Flux2Pipeline", "Flux2KleinPipeline"), transformer="Flux2Transformer2DModel", encode=encode,
-    velocity=velocity, latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2], mu=mu,
+    name="flux2",
+    pipelines=("Flux2Pipeline", "Flux2KleinPipeline"),
+    transformer="Flux2Transformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2],
+    mu=mu,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-)  # fmt: skip
+)

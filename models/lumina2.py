@@ -9,14 +9,13 @@ the pipeline's default `cfg_normalization`: the guided prediction rescaled to th
 shift (6 in the released scheduler).
 """
 
-import torch
-
 import common
 
 
 def encode(pipe, prompts, device, max_sequence_length):
-    e, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device,
-                                       max_sequence_length=max_sequence_length)  # fmt: skip
+    e, mask, _, _ = pipe.encode_prompt(
+        prompts, do_classifier_free_guidance=False, device=device, max_sequence_length=max_sequence_length
+    )
     return e, mask
 
 
@@ -33,8 +32,13 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     t = 1 - sigma * 1000 / 1000  # as the pipeline computes it from its timesteps (1000 sigma)
 
     def call(e, m):
-        return transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=e.to(dtype), encoder_attention_mask=m,
-                           return_dict=False)[0].float()  # fmt: skip
+        return transformer(
+            hidden_states=x.to(dtype),
+            timestep=t,
+            encoder_hidden_states=e.to(dtype),
+            encoder_attention_mask=m,
+            return_dict=False,
+        )[0].float()
 
     v = call(embeds, mask)
     if guidance_scale > 1.0:
@@ -51,7 +55,15 @@ def latent_shape(pipe, resolution):
 
 
 FAMILY = common.Family(
-    name="lumina2", pipelines=("Lumina2Pipeline",), transformer="Lumina2Transformer2DModel", encode=encode,
-    velocity=velocity, latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu, encode_negative=encode_negative,
-)  # fmt: skip
+    name="lumina2",
+    pipelines=("Lumina2Pipeline",),
+    transformer="Lumina2Transformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4,
+    mu=common.linear_mu,
+    encode_negative=encode_negative,
+)

@@ -32,9 +32,15 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     def call(e, m):
         n = int(m.sum(1).max())  # the batch's longest prompt: the rest is padding, masked out
         e, m = e[:, :n], m[:, :n]
-        out = transformer(hidden_states=tokens, timestep=sigma, guidance=guidance, encoder_hidden_states=e.to(transformer.dtype),
-                          encoder_hidden_states_mask=None if bool(m.all()) else m, img_shapes=[[(1, h // 2, w // 2)]] * b,
-                          return_dict=False)[0]  # fmt: skip
+        out = transformer(
+            hidden_states=tokens,
+            timestep=sigma,
+            guidance=guidance,
+            encoder_hidden_states=e.to(transformer.dtype),
+            encoder_hidden_states_mask=None if bool(m.all()) else m,
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
         return out.float()  # as the pipeline: None when nothing is padded
 
     v = call(embeds, mask)
@@ -60,8 +66,15 @@ def decode(pipe, z):
 
 
 FAMILY = common.Family(
-    name="qwenimage", pipelines=("QwenImagePipeline",), transformer="QwenImageTransformer2DModel", encode=encode,
-    velocity=velocity, latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu,
+    name="qwenimage",
+    pipelines=("QwenImagePipeline",),
+    transformer="QwenImageTransformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4,
+    mu=common.linear_mu,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-)  # fmt: skip
+)

@@ -22,14 +22,20 @@ def instruction(pipe):
 
 
 def encode(pipe, prompts, device, max_sequence_length):
-    e, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device,
-                                       max_sequence_length=max_sequence_length, complex_human_instruction=instruction(pipe))  # fmt: skip
+    e, mask, _, _ = pipe.encode_prompt(
+        prompts,
+        do_classifier_free_guidance=False,
+        device=device,
+        max_sequence_length=max_sequence_length,
+        complex_human_instruction=instruction(pipe),
+    )
     return e, mask
 
 
 def encode_negative(pipe, prompts, device, max_sequence_length):
-    return pipe._get_gemma_prompt_embeds(prompts, device, pipe.text_encoder.dtype, max_sequence_length=max_sequence_length,
-                                         complex_human_instruction=False)  # fmt: skip
+    return pipe._get_gemma_prompt_embeds(
+        prompts, device, pipe.text_encoder.dtype, max_sequence_length=max_sequence_length, complex_human_instruction=False
+    )
 
 
 def max_sequence_length(pipe, requested):
@@ -40,9 +46,19 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     dtype, cfg = transformer.dtype, guidance_scale > 1.0
     if cfg:
         assert neg is not None, "CFG needs the negative prompt embeddings"
-        x, sigma, embeds, mask = torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([neg[0], embeds]), torch.cat([neg[1], mask])
-    out = transformer(hidden_states=x.to(dtype), encoder_hidden_states=embeds.to(dtype), encoder_attention_mask=mask,
-                      timestep=sigma * 1000 * transformer.config.timestep_scale, return_dict=False)[0].float()  # fmt: skip
+        x, sigma, embeds, mask = (
+            torch.cat([x, x]),
+            torch.cat([sigma, sigma]),
+            torch.cat([neg[0], embeds]),
+            torch.cat([neg[1], mask]),
+        )
+    out = transformer(
+        hidden_states=x.to(dtype),
+        encoder_hidden_states=embeds.to(dtype),
+        encoder_attention_mask=mask,
+        timestep=sigma * 1000 * transformer.config.timestep_scale,
+        return_dict=False,
+    )[0].float()
     if out.shape[1] == 2 * x.shape[1]:  # learned variance: keep the prediction half
         out = out.chunk(2, dim=1)[0]
     return common.cfg(*out.chunk(2), guidance_scale) if cfg else out
@@ -55,7 +71,14 @@ def latent_shape(pipe, resolution):
 
 
 FAMILY = common.Family(
-    name="sana", pipelines=("SanaPipeline",), transformer="SanaTransformer2DModel", encode=encode, velocity=velocity,
-    latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    scheduler=common.euler_scheduler, encode_negative=encode_negative,
-)  # fmt: skip
+    name="sana",
+    pipelines=("SanaPipeline",),
+    transformer="SanaTransformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    scheduler=common.euler_scheduler,
+    encode_negative=encode_negative,
+)

@@ -10,8 +10,9 @@ import common
 
 
 def encode(pipe, prompts, device, max_sequence_length):
-    e, _, p, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
-                                    max_sequence_length=max_sequence_length)  # fmt: skip
+    e, _, p, _ = pipe.encode_prompt(
+        prompts, None, None, device=device, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length
+    )
     return e, p
 
 
@@ -35,9 +36,12 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
         v_uncond, v_cond = out.chunk(2)
         return common.cfg(v_uncond, v_cond, guidance_scale)
     return transformer(
-        hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=embeds.to(dtype),
-        pooled_projections=pooled.to(dtype), return_dict=False,
-    )[0].float()  # fmt: skip
+        hidden_states=x.to(dtype),
+        timestep=sigma * 1000,
+        encoder_hidden_states=embeds.to(dtype),
+        pooled_projections=pooled.to(dtype),
+        return_dict=False,
+    )[0].float()
 
 
 def latent_shape(pipe, resolution):
@@ -48,11 +52,20 @@ def latent_shape(pipe, resolution):
 
 def load_kwargs(local):
     # T5 (text_encoder_3) is optional: a folder without one loads with None, and the pipeline pads with zeros
-    return {"text_encoder_3": None, "tokenizer_3": None} if local is not None and not (local / "text_encoder_3").exists() else {}
+    return (
+        {"text_encoder_3": None, "tokenizer_3": None} if local is not None and not (local / "text_encoder_3").exists() else {}
+    )
 
 
 FAMILY = common.Family(
-    name="sd3", pipelines=("StableDiffusion3Pipeline",), transformer="SD3Transformer2DModel", encode=encode,
-    velocity=velocity, latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    load_kwargs=load_kwargs, lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-)  # fmt: skip
+    name="sd3",
+    pipelines=("StableDiffusion3Pipeline",),
+    transformer="SD3Transformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    load_kwargs=load_kwargs,
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+)

@@ -18,7 +18,9 @@ NUM_FRAMES = 33  # frames per video the sampler draws (4k + 1 for the released V
 
 
 def encode(pipe, prompts, device, max_sequence_length):
-    e, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length, device=device)
+    e, _ = pipe.encode_prompt(
+        prompts, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length, device=device
+    )
     return e, e.new_zeros(e.shape[0], 0)
 
 
@@ -30,7 +32,9 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
     dtype = transformer.dtype
 
     def call(e):
-        out = transformer(hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=e.to(dtype), return_dict=False)
+        out = transformer(
+            hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=e.to(dtype), return_dict=False
+        )
         return out[0].float()
 
     v = call(embeds)
@@ -56,8 +60,15 @@ def decode(pipe, z):
 
 
 FAMILY = common.Family(
-    name="wan", pipelines=("WanPipeline",), transformer="WanTransformer3DModel", encode=encode, velocity=velocity,
-    latent_shape=latent_shape, decode=decode, max_sequence_length=max_sequence_length, scheduler=common.euler_scheduler,
+    name="wan",
+    pipelines=("WanPipeline",),
+    transformer="WanTransformer3DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=decode,
+    max_sequence_length=max_sequence_length,
+    scheduler=common.euler_scheduler,
     tokens=lambda shape: shape[1] * shape[2] * shape[3] // 4,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-)  # fmt: skip
+)

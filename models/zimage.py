@@ -15,8 +15,9 @@ import common
 
 def encode(pipe, prompts, device, max_sequence_length):
     # ZImagePipeline rewrites the list it gets with the chat-templated text: give it a copy
-    embeds = pipe.encode_prompt(list(prompts), device=device, do_classifier_free_guidance=False,
-                                max_sequence_length=max_sequence_length)[0]  # fmt: skip
+    embeds = pipe.encode_prompt(
+        list(prompts), device=device, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length
+    )[0]
     mask = [torch.ones(len(e), dtype=torch.long, device=e.device) for e in embeds]
     return common.pad_stack(embeds), common.pad_stack(mask)
 
@@ -48,7 +49,14 @@ def latent_shape(pipe, resolution):
 
 
 FAMILY = common.Family(
-    name="zimage", pipelines=("ZImagePipeline",), transformer="ZImageTransformer2DModel", encode=encode, velocity=velocity,
-    latent_shape=latent_shape, decode=common.vae_decode, max_sequence_length=max_sequence_length,
-    tokens=lambda shape: shape[1] * shape[2] // 4, mu=common.linear_mu,
-)  # fmt: skip
+    name="zimage",
+    pipelines=("ZImagePipeline",),
+    transformer="ZImageTransformer2DModel",
+    encode=encode,
+    velocity=velocity,
+    latent_shape=latent_shape,
+    decode=common.vae_decode,
+    max_sequence_length=max_sequence_length,
+    tokens=lambda shape: shape[1] * shape[2] // 4,
+    mu=common.linear_mu,
+)

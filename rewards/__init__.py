@@ -34,7 +34,7 @@ REWARDS: Dict[str, Callable] = {
 
 
 def parse_reward_spec(spec: str) -> Dict[str, float]:
-    """"a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0."""
+    """ "a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0."""
     weights = {}
     for part in spec.split(","):
         name, _, weight = part.strip().partition(":")
@@ -66,7 +66,9 @@ class MultiReward:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise UserError(f"reward {name!r} returned {shape}, expected a tensor of shape ({images.shape[0]},)")
             if not torch.isfinite(value).all():
-                raise UserError(f"reward {name!r} returned NaN or inf for {int((~torch.isfinite(value)).sum())} of {len(value)} images")
+                raise UserError(
+                    f"reward {name!r} returned NaN or inf for {int((~torch.isfinite(value)).sum())} of {len(value)} images"
+                )
             out[name] = value.float().to(images.device)
         return out
 
@@ -84,9 +86,17 @@ class MultiReward:
             from rewards import shapes
 
             m = shapes.evaluate(images, list(prompts), [shapes.wrong_prompt(p) for p in prompts])
-            out.update({"shapes": m["score"], "shapes_strict": m["strict"], "shapes_clean": m["clean"],
-                        "shapes_exact": m["exact"], "objects": m["objects"], "objects_extra": m["extra"],
-                        "prompt_specific_gap": m["score"] - m["wrong"]})  # fmt: skip
+            out.update(
+                {
+                    "shapes": m["score"],
+                    "shapes_strict": m["strict"],
+                    "shapes_clean": m["clean"],
+                    "shapes_exact": m["exact"],
+                    "objects": m["objects"],
+                    "objects_extra": m["extra"],
+                    "prompt_specific_gap": m["score"] - m["wrong"],
+                }
+            )
         if "ocr" in self.weights:
             out["ocr_strict"] = (out["ocr"] == 1).float()
         return out

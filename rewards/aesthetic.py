@@ -31,12 +31,15 @@ class AestheticMLP(nn.Module):
     def __init__(self, dim: int = 768):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(dim, 1024), nn.Dropout(0.2),
-            nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1),
+            nn.Linear(dim, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
             nn.Linear(64, 16),
             nn.Linear(16, 1),
-        )  # fmt: skip
+        )
 
     def forward(self, embeds: torch.Tensor) -> torch.Tensor:
         return self.layers(embeds)

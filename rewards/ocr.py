@@ -96,8 +96,10 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
             for p in prompts:
                 quoted_text(p)
         except UserError as e:
-            raise UserError(f"{e} (the OCR task on tiny-text: --model assets/tiny-text --train-prompts "
-                            "assets/text_train.jsonl --test-prompts assets/text_test.jsonl)") from None
+            raise UserError(
+                f"{e} (the OCR task on tiny-text: --model assets/tiny-text --train-prompts "
+                "assets/text_train.jsonl --test-prompts assets/text_test.jsonl)"
+            ) from None
 
     fn.check_prompts = check_prompts
     return fn

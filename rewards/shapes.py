@@ -147,9 +147,11 @@ def _template_iou(dx: torch.Tensor, dy: torch.Tensor, comp: torch.Tensor, area: 
     templates = {  # (pixel inside, template area), per pixel
         "circle": ((dx / (2 * sx)) ** 2 + (dy / (2 * sy)) ** 2 <= 1, 4 * math.pi * sx * sy),
         "square": ((dx.abs() <= 3**0.5 * sx) & (dy.abs() <= 3**0.5 * sy), 12 * sx * sy),
-        "triangle": ((below_apex >= 0) & (below_apex <= height) & (dx.abs() <= 6**0.5 * sx * below_apex / height),
-                     6**0.5 * sx * height),
-    }  # fmt: skip
+        "triangle": (
+            (below_apex >= 0) & (below_apex <= height) & (dx.abs() <= 6**0.5 * sx * below_apex / height),
+            6**0.5 * sx * height,
+        ),
+    }
     iou = []
     for shape in SHAPES:
         inside, template_area = templates[shape]
@@ -224,8 +226,12 @@ def relative_position(a: dict, b: dict) -> set:
     ry = math.copysign(max(abs(dy) - POSITION_THRESHOLD * (ay1 - ay0 + by1 - by0), 0), dy)
     if norm == 0 or max(abs(rx), abs(ry)) < 1e-3:
         return set()
-    holds = {"to the left of": rx < -0.5 * norm, "to the right of": rx > 0.5 * norm,
-             "above": ry < -0.5 * norm, "below": ry > 0.5 * norm}  # fmt: skip
+    holds = {
+        "to the left of": rx < -0.5 * norm,
+        "to the right of": rx > 0.5 * norm,
+        "above": ry < -0.5 * norm,
+        "below": ry > 0.5 * norm,
+    }
     return {relation for relation, ok in holds.items() if ok}
 
 
@@ -291,7 +297,9 @@ def evaluate(images: torch.Tensor, prompts: list, wrong_prompts: Optional[list] 
         "score": [sum(m) / len(m) for m in met],
         "strict": [float(all(m)) for m in met],
         "clean": [sum(m) / len(m) * asked_objects(p) / (asked_objects(p) + e) for m, e, p in zip(met, extra, parsed)],
-        "exact": [float(all(m) and e == 0 and len(objs) == asked_objects(p)) for m, e, objs, p in zip(met, extra, found, parsed)],
+        "exact": [
+            float(all(m) and e == 0 and len(objs) == asked_objects(p)) for m, e, objs, p in zip(met, extra, found, parsed)
+        ],
         "objects": [float(len(objs)) for objs in found],
         "extra": [float(e) for e in extra],
     }

@@ -54,27 +54,64 @@ def flux_pipeline_dirs(tmp_path_factory):
     dirs = {}
     for variant in ("dev", "schnell"):
         torch.manual_seed(0)
-        clip = CLIPTextModel(CLIPTextConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            max_position_embeddings=recipe.MAX_TOKENS, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        ))  # fmt: skip
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tok),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=recipe.MAX_TOKENS,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
         t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, num_heads=4, num_layers=1, d_ff=64))
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6),
-        )  # fmt: skip
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=variant == "dev",
+            axes_dims_rope=(4, 6, 6),
+        )
         vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, sample_size=64, down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 64), layers_per_block=1, norm_num_groups=8,
-            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
-        )  # fmt: skip
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            sample_size=64,
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 64),
+            layers_per_block=1,
+            norm_num_groups=8,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
         scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok,
-                            transformer=transformer)  # fmt: skip
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=clip,
+            tokenizer=tok,
+            text_encoder_2=t5,
+            tokenizer_2=tok,
+            transformer=transformer,
+        )
         dirs[variant] = tmp_path_factory.mktemp("pipe") / f"random-flux-{variant}"
         pipe.save_pretrained(dirs[variant])
     return {k: str(v) for k, v in dirs.items()}
@@ -86,8 +123,16 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
 
     enc = common.PromptEncoder(pipe)
     embeds, pooled = enc(prompts)
-    out = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, neg=enc.negative(len(prompts)), num_steps=steps,
-                        guidance_scale=guidance_scale, noise=noise)  # fmt: skip
+    out = common.sample(
+        pipe.transformer,
+        pipe.scheduler,
+        embeds,
+        pooled,
+        neg=enc.negative(len(prompts)),
+        num_steps=steps,
+        guidance_scale=guidance_scale,
+        noise=noise,
+    )
     return out, enc
 
 
@@ -97,8 +142,9 @@ def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=
     On a timeout the whole group is killed (a script, torchrun and its ranks alike: no orphan keeps running) and the
     test fails saying so. With `check`, a non-zero exit fails the test with the command and the output's tail."""
     argv = [sys.executable, *map(str, argv)] if python else [str(a) for a in argv]
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -112,8 +158,15 @@ def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=
 
 def start_script(argv, **kwargs) -> subprocess.Popen:
     """`run_script` without waiting (for tests that signal the process); stop it with `kill_group`."""
-    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kwargs)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, *map(str, argv)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
 
 
 def kill_group(proc: subprocess.Popen):

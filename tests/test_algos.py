@@ -7,17 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import kill_group, run_script, start_script
 
 import common
-from conftest import kill_group, run_script, start_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1".split()
 # per-algorithm flags that keep the smoke run small
 EXTRA = {
-    "awm": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --kl-beta 0.01 --ema-kl-beta 0.1 --off-policy --ema-decay-ramp 0.2",
+    "awm": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --kl-beta 0.01 --ema-kl-beta 0.1 --off-policy "
+    "--ema-decay-ramp 0.2",
     "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 2 --gradient-checkpointing --offload-text-encoders",
-    "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",  # + the papers' eval protocol
+    # + the papers' eval protocol
+    "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",
     "dgpo": "--grad-steps-per-epoch 2 --num-train-timesteps 2 --switch-ema-ref 1 --ema-ref-ramp-rate 0.1",
     "nft": "--num-train-timesteps 2 --kl-beta 0.01 --decay-ramp 0.3",
 }
@@ -27,8 +29,18 @@ TRAIN = "a blue square\nthree circles\na red square\n"  # none of them a test pr
 
 
 def run(algo, flags, tmp_path, check=True):
-    argv = [f"algos/{algo}.py", *TINY, *EXTRA[algo].split(), "--train-prompts", tmp_path / "train.txt",
-            "--test-prompts", tmp_path / "test.txt", "--eval-every", "1", *flags.split()]  # fmt: skip
+    argv = [
+        f"algos/{algo}.py",
+        *TINY,
+        *EXTRA[algo].split(),
+        "--train-prompts",
+        tmp_path / "train.txt",
+        "--test-prompts",
+        tmp_path / "test.txt",
+        "--eval-every",
+        "1",
+        *flags.split(),
+    ]
     return run_script(argv, check=check)
 
 
@@ -102,8 +114,18 @@ def test_killed_or_interrupted_runs_resume_exactly(prompts):
     run(algo, f"{flags} --output-dir {prompts / 'a'}", prompts)
     a = common.load_checkpoint(next((prompts / "a").iterdir()))
     for name, sig in (("kill", signal.SIGKILL), ("int", signal.SIGINT)):
-        argv = [f"algos/{algo}.py", *TINY, *EXTRA[algo].split(), "--train-prompts", prompts / "train.txt",
-                "--test-prompts", prompts / "test.txt", *flags.split(), "--output-dir", prompts / name]  # fmt: skip
+        argv = [
+            f"algos/{algo}.py",
+            *TINY,
+            *EXTRA[algo].split(),
+            "--train-prompts",
+            prompts / "train.txt",
+            "--test-prompts",
+            prompts / "test.txt",
+            *flags.split(),
+            "--output-dir",
+            prompts / name,
+        ]
         proc = start_script(argv)
         try:
             run_dir = _wait_for_checkpoint(proc, prompts / name, 1)
@@ -129,9 +151,23 @@ def test_two_ranks_match_one_process(algo, prompts):
     differ in rounding (measured with two timesteps: 4e-6 to 7e-6 relative after two steps; README)."""
     flags = "--num-epochs 2 --eval-every 10 --grad-steps-per-epoch 1" + ("" if algo == "grpo" else " --num-train-timesteps 1")
     run(algo, f"{flags} --output-dir {prompts / 'one'}", prompts)
-    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"algos/{algo}.py", *TINY,
-            *EXTRA[algo].split(), "--train-prompts", prompts / "train.txt", "--test-prompts", prompts / "test.txt",
-            *flags.split(), "--output-dir", prompts / "two"]  # fmt: skip
+    argv = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        f"algos/{algo}.py",
+        *TINY,
+        *EXTRA[algo].split(),
+        "--train-prompts",
+        prompts / "train.txt",
+        "--test-prompts",
+        prompts / "test.txt",
+        *flags.split(),
+        "--output-dir",
+        prompts / "two",
+    ]
     out = run_script(argv)
     assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
     (two_dir,) = (prompts / "two").iterdir()
@@ -150,15 +186,30 @@ common.run_main(nft.main, tyro.cli(nft.Args))
 """
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("torch.full((len(prompts),), float('nan'))", "error: reward 'bad' returned NaN or inf for 4 of 4 images"),
-    ("torch.zeros(len(prompts), 2)", "error: reward 'bad' returned (4, 2), expected a tensor of shape (4,)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("torch.full((len(prompts),), float('nan'))", "error: reward 'bad' returned NaN or inf for 4 of 4 images"),
+        ("torch.zeros(len(prompts), 2)", "error: reward 'bad' returned (4, 2), expected a tensor of shape (4,)"),
+    ],
+)
 def test_bad_reward_output_stops_with_one_line(bad, message, prompts):
     script = prompts / "bad_reward.py"
     script.write_text(BAD_REWARD.format(bad=bad, repo=REPO))
-    out = run_script([script, *TINY, *EXTRA["nft"].split(), "--test-prompts", prompts / "test.txt", "--reward", "bad",
-                      "--output-dir", prompts / "runs"], check=False)  # fmt: skip
+    out = run_script(
+        [
+            script,
+            *TINY,
+            *EXTRA["nft"].split(),
+            "--test-prompts",
+            prompts / "test.txt",
+            "--reward",
+            "bad",
+            "--output-dir",
+            prompts / "runs",
+        ],
+        check=False,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == message
 
@@ -166,9 +217,13 @@ def test_bad_reward_output_stops_with_one_line(bad, message, prompts):
 def test_nan_loss_skips_then_aborts_with_checkpoint(prompts):
     """A learning rate that blows the weights up: non-finite updates are skipped with a warning, five in a row abort
     with one line and a checkpoint; the earlier checkpoints are kept."""
-    out = run("crd", f"--num-epochs 8 --learning-rate 1e30 --eval-every 100 --output-dir {prompts / 'runs'}", prompts, check=False)
+    out = run(
+        "crd", f"--num-epochs 8 --learning-rate 1e30 --eval-every 100 --output-dir {prompts / 'runs'}", prompts, check=False
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "warning: non-finite gradient" in out.stdout + out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: 5 non-finite updates in a row; checkpoint saved")
     (run_dir,) = (prompts / "runs").iterdir()
-    assert (run_dir / "checkpoints" / "last" / "state.pt").exists() and len(list((run_dir / "checkpoints").glob("epoch_*"))) >= 2
+    assert (run_dir / "checkpoints" / "last" / "state.pt").exists() and len(
+        list((run_dir / "checkpoints").glob("epoch_*"))
+    ) >= 2

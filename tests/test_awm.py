@@ -6,26 +6,26 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 from algos import awm
-from conftest import run_script
 
 
 def _rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _weighted_reference(l, s, weighting, p):
+def _weighted_reference(mse, s, weighting, p):
     """The paper's weightings, written out for one sample (Flow-Factory spec section 5)."""
     if weighting == "uniform":
-        return -l
+        return -mse
     if weighting == "t":
-        return -l * s
+        return -mse * s
     if weighting == "t2":
-        return -l * s * s
+        return -mse * s * s
     if weighting == "huber":
-        return -(math.sqrt(l + 1e-10) - 1e-5) * s
-    return -((l + 1e-10) ** p - (1e-10) ** p) * s / p
+        return -(math.sqrt(mse + 1e-10) - 1e-5) * s
+    return -((mse + 1e-10) ** p - (1e-10) ** p) * s / p
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "t", "t2", "huber", "ghuber"])
@@ -35,9 +35,9 @@ def test_pseudo_log_prob_matches_per_sample_formula(weighting):
     lp = awm.pseudo_log_prob(v, u, sigmas, weighting, power=0.3)
     lp_scalar_sigma = awm.pseudo_log_prob(v, u, 0.5, weighting, power=0.3)
     for i in range(5):
-        l = float(np.mean((v[i].numpy() - u[i].numpy()) ** 2))
-        assert lp[i].item() == pytest.approx(_weighted_reference(l, sigmas[i].item(), weighting, 0.3), rel=1e-12)
-        assert lp_scalar_sigma[i].item() == pytest.approx(_weighted_reference(l, 0.5, weighting, 0.3), rel=1e-12)
+        mse = float(np.mean((v[i].numpy() - u[i].numpy()) ** 2))
+        assert lp[i].item() == pytest.approx(_weighted_reference(mse, sigmas[i].item(), weighting, 0.3), rel=1e-12)
+        assert lp_scalar_sigma[i].item() == pytest.approx(_weighted_reference(mse, 0.5, weighting, 0.3), rel=1e-12)
     assert lp.dtype == torch.float64
 
 
@@ -45,8 +45,8 @@ def test_pseudo_log_prob_float32_inputs_are_computed_in_float64():
     v, u = _rand(3, 4, seed=3).float(), _rand(3, 4, seed=4).float()
     lp = awm.pseudo_log_prob(v, u, 0.7, "ghuber")
     assert lp.dtype == torch.float64
-    l = ((v.double() - u.double()) ** 2).mean(1)
-    torch.testing.assert_close(lp, -((l + 1e-10) ** 0.25 - 1e-10**0.25) * 0.7 / 0.25)
+    mse = ((v.double() - u.double()) ** 2).mean(1)
+    torch.testing.assert_close(lp, -((mse + 1e-10) ** 0.25 - 1e-10**0.25) * 0.7 / 0.25)
 
 
 def test_ghuber_and_huber_are_zero_at_zero_error_and_huber_is_ghuber_half():
@@ -59,13 +59,13 @@ def test_ghuber_and_huber_are_zero_at_zero_error_and_huber_is_ghuber_half():
 
 
 def test_pseudo_log_prob_gradient_matches_analytic():
-    """d lp / d v for ghuber: -sigma l^(p-1) * 2 (v - u) / n (chain rule through l = mean (v - u)^2)."""
+    """d lp / d v for ghuber: -sigma mse^(p-1) * 2 (v - u) / n (chain rule through mse = mean (v - u)^2)."""
     v, u = _rand(3, 2, 4, seed=7).requires_grad_(True), _rand(3, 2, 4, seed=8)
     s, p = 0.8, 0.25
     awm.pseudo_log_prob(v, u, s, "ghuber", p).sum().backward()
     e = (v - u).detach()
-    l = e.pow(2).flatten(1).mean(1)
-    expected = -s * (l + 1e-10).pow(p - 1).view(-1, 1, 1) * 2 * e / e[0].numel()
+    mse = e.pow(2).flatten(1).mean(1)
+    expected = -s * (mse + 1e-10).pow(p - 1).view(-1, 1, 1) * 2 * e / e[0].numel()
     torch.testing.assert_close(v.grad, expected)
 
 
@@ -116,8 +116,8 @@ def test_on_policy_gradient_is_advantage_weighted_flow_matching():
     assert torch.all(ratio == 1)
     (g,) = torch.autograd.grad(loss, v)
     v2 = v.detach().clone().requires_grad_(True)
-    l = torch.stack([((v2[i] - u[i]) ** 2).mean() for i in range(4)])
-    (g_ref,) = torch.autograd.grad((adv * l * s).mean(), v2)
+    mse = torch.stack([((v2[i] - u[i]) ** 2).mean() for i in range(4)])
+    (g_ref,) = torch.autograd.grad((adv * mse * s).mean(), v2)
     torch.testing.assert_close(g, g_ref)
 
 

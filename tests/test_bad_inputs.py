@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
+from conftest import run_script
 
 import common
 from algos import awm, crd, dgpo, grpo, nft
-from conftest import run_script
 
 ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1".split()
@@ -110,8 +110,14 @@ def assert_one_line(rc, err, expected):
 
 @pytest.mark.parametrize("algo, flags, expected", CASES, ids=[f"{a}:{f}" for a, f, _ in CASES])
 def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files, capsys):
-    argv = [*TINY, "--test-prompts", str(files / "test.txt"), "--output-dir", str(files / "runs"),
-            *flags.format(tmp=files).split()]  # fmt: skip
+    argv = [
+        *TINY,
+        "--test-prompts",
+        str(files / "test.txt"),
+        "--output-dir",
+        str(files / "runs"),
+        *flags.format(tmp=files).split(),
+    ]
     rc, err = call(algo, argv, capsys)
     assert_one_line(rc, err, expected.format(tmp=files))
     assert not (files / "runs").exists() and not (files / "a-file").is_dir()
@@ -122,8 +128,10 @@ def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files,
 # ----------------------------------------------------------------------------------------------------------------
 def snapshot(folder: Path) -> dict:
     """Every file's bytes (and every symlink's target) under `folder`."""
-    return {str(p.relative_to(folder)): (p.readlink() if p.is_symlink() else p.read_bytes() if p.is_file() else None)
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): (p.readlink() if p.is_symlink() else p.read_bytes() if p.is_file() else None)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +139,17 @@ def nft_run(tmp_path_factory):
     """One finished 1-epoch nft run, made in-process; tests copy it before they may touch it."""
     tmp = tmp_path_factory.mktemp("nftrun")
     (tmp / "test.txt").write_text("a red circle\ntwo squares\n")
-    argv = [*TINY, "--num-train-timesteps", "1", "--eval-every", "5", "--test-prompts", str(tmp / "test.txt"),
-            "--output-dir", str(tmp / "runs")]  # fmt: skip
+    argv = [
+        *TINY,
+        "--num-train-timesteps",
+        "1",
+        "--eval-every",
+        "5",
+        "--test-prompts",
+        str(tmp / "test.txt"),
+        "--output-dir",
+        str(tmp / "runs"),
+    ]
     common.run_main(nft.main, tyro.cli(nft.Args, args=argv), argv=argv)
     (run_dir,) = (tmp / "runs").iterdir()
     return run_dir
@@ -158,13 +175,25 @@ RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piec
     "wrong script": ("grpo", "", None, "was written by nft.py; resume it with algos/nft.py, not grpo.py"),
     "already finished": ("nft", "--num-epochs 1", None, "is at epoch 1; pass --num-epochs > 1"),
     "truncated state": ("nft", "", _truncate, "cannot be read"),
-    "empty weights": ("nft", "", lambda run: (run / "checkpoints" / "last" / "weights.safetensors").resolve().write_bytes(b""),
-                      "weights.safetensors cannot be read"),
-    "missing state": ("nft", "", lambda run: (run / "checkpoints" / "last" / "state.pt").resolve().unlink(),
-                      "state.pt is missing"),
+    "empty weights": (
+        "nft",
+        "",
+        lambda run: (run / "checkpoints" / "last" / "weights.safetensors").resolve().write_bytes(b""),
+        "weights.safetensors cannot be read",
+    ),
+    "missing state": (
+        "nft",
+        "",
+        lambda run: (run / "checkpoints" / "last" / "state.pt").resolve().unlink(),
+        "state.pt is missing",
+    ),
     "no checkpoint": ("nft", "", lambda run: shutil.rmtree(run / "checkpoints"), "the run folder has no checkpoint"),
-    "old pickle": ("nft", "", lambda run: torch.save({"epoch": 1}, run / "last.pt"),
-                   "a pickled checkpoint of an older cleanflow"),
+    "old pickle": (
+        "nft",
+        "",
+        lambda run: torch.save({"epoch": 1}, run / "last.pt"),
+        "a pickled checkpoint of an older cleanflow",
+    ),
 }
 
 
@@ -205,7 +234,8 @@ def test_second_writer_is_refused(run_copy, capsys):
 
 
 def test_resume_restores_the_saved_flags(run_copy, capsys):
-    """Only --resume (here one checkpoint folder of the run) and --num-epochs given: the run continues with its own flags (not the defaults), and the resume
+    """Only --resume (here one checkpoint folder of the run) and --num-epochs given: the run continues with its own flags
+    (not the defaults), and the resume
     is appended to resumes.jsonl while args.json stays as the run began."""
     args_json = (run_copy / "args.json").read_bytes()
     argv = ["--resume", str(run_copy / "checkpoints" / "epoch_000001"), "--num-epochs", "2"]  # one checkpoint of the run

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import tyro
+from conftest import run_script
 
 import common
-from conftest import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
@@ -19,8 +19,9 @@ FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "
 
 def parse_script(script: Path, task: str):
     """Run a paper script with a fake torchrun; returns (GPU count, algorithm name, the parsed Args)."""
-    out = run_script(["bash", "-c", FAKE_TORCHRUN, script], python=False, timeout=60,
-                     env={**os.environ, "TASK": task, "DATA": "/data"})  # fmt: skip
+    out = run_script(
+        ["bash", "-c", FAKE_TORCHRUN, script], python=False, timeout=60, env={**os.environ, "TASK": task, "DATA": "/data"}
+    )
     argv = out.stdout.splitlines()
     assert argv[0] == "--nproc-per-node"
     world, path, flags = int(argv[1]), argv[2], argv[3:]

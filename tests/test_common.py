@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import ode_sample
 
 import common
-from conftest import ode_sample
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,16 @@ def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
     out, _ = ode_sample(pipe, PROMPTS, noise, steps, guidance_scale)
     ours = common.decode(pipe, out.latents)
     ref = pipe(
-        prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance_scale, height=64, width=64,
-        sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(), max_sequence_length=1, output_type="pt",
-    ).images  # fmt: skip
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        height=64,
+        width=64,
+        sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(),
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
     assert ours.shape == ref.shape == (3, 3, 64, 64)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
@@ -106,7 +113,9 @@ def test_sde_step_default_first_step_std_is_the_references():
     ratio = common.sde_step(x, v, 1.0, s1, "Flow-SDE", eta, sigma_cap=0.99)[3].item() / ref
     assert ratio == pytest.approx(1.89, abs=0.005)
     # below sigma = 1 nothing is capped
-    assert common.sde_step(x, v, 0.9, 0.8, "Flow-SDE", eta)[3].item() == pytest.approx(_paper_std("Flow-SDE", 0.9, 0.8, eta), rel=1e-5)
+    assert common.sde_step(x, v, 0.9, 0.8, "Flow-SDE", eta)[3].item() == pytest.approx(
+        _paper_std("Flow-SDE", 0.9, 0.8, eta), rel=1e-5
+    )
 
 
 def test_mse_log_prob_is_the_cps_surrogate():
@@ -130,9 +139,19 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     embeds, pooled = enc(PROMPTS)
     neg = enc.negative(len(PROMPTS))
     out = common.sample(
-        pipe.transformer, pipe.scheduler, embeds, pooled, neg=neg, num_steps=5, guidance_scale=3.0, dynamics="Flow-SDE",
-        eta=0.8, sde_steps=[1, 3], generator=torch.Generator().manual_seed(3), keep_trajectory=True,
-    )  # fmt: skip
+        pipe.transformer,
+        pipe.scheduler,
+        embeds,
+        pooled,
+        neg=neg,
+        num_steps=5,
+        guidance_scale=3.0,
+        dynamics="Flow-SDE",
+        eta=0.8,
+        sde_steps=[1, 3],
+        generator=torch.Generator().manual_seed(3),
+        keep_trajectory=True,
+    )
     assert out.sde_mask.tolist() == [False, True, False, True, False]
     assert (out.log_probs[:, [0, 2, 4]] == 0).all() and (out.log_probs[:, [1, 3]] != 0).all()
     for i in (1, 3):
@@ -140,8 +159,15 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
         with torch.no_grad():
             v = common.velocity(pipe.transformer, x, out.sigmas[i], embeds, pooled, neg, 3.0)
         _, logp, _, _ = common.sde_step(
-            x, v, out.sigmas[i], out.sigmas[i + 1], "Flow-SDE", 0.8, x_next=out.trajectory[:, i + 1], sigma_cap=float(out.sigmas[1])
-        )  # fmt: skip
+            x,
+            v,
+            out.sigmas[i],
+            out.sigmas[i + 1],
+            "Flow-SDE",
+            0.8,
+            x_next=out.trajectory[:, i + 1],
+            sigma_cap=float(out.sigmas[1]),
+        )
         torch.testing.assert_close(logp, out.log_probs[:, i], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.trajectory[:, -1], out.latents)
 
@@ -162,7 +188,9 @@ def test_sampler_is_deterministic_given_a_generator(pipe):
 
     def run(seed):
         gen = torch.Generator().manual_seed(seed)
-        return common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=4, dynamics="Dance-SDE", generator=gen).latents
+        return common.sample(
+            pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=4, dynamics="Dance-SDE", generator=gen
+        ).latents
 
     torch.testing.assert_close(run(5), run(5), atol=0, rtol=0)
     assert not torch.allclose(run(5), run(6))
@@ -224,8 +252,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         opt.step()
     path = tmp_path / "ck" / "last"
     snapshot = [p.detach().clone().to(torch.bfloat16) for p in named.values()]
-    state = {"params": common.trainable_state(named), "opt": opt.state_dict(), "step": 3, "epoch": 3, "rng": common.rng_state(),
-             "snapshots": {"ema": snapshot, "none": []}, "eval_ema": snapshot}  # fmt: skip
+    state = {
+        "params": common.trainable_state(named),
+        "opt": opt.state_dict(),
+        "step": 3,
+        "epoch": 3,
+        "rng": common.rng_state(),
+        "snapshots": {"ema": snapshot, "none": []},
+        "eval_ema": snapshot,
+    }
     common.save_checkpoint(path, state)
     expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
     ref_weights = {n: p.detach().clone() for n, p in named.items()}
@@ -398,7 +433,8 @@ KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 import common
-big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # 16 MB: a write takes long enough to be killed in the middle
+# 16 MB: a write takes long enough to be killed in the middle
+big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
 for epoch in range(1, 10**6):
     common.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
 """
@@ -524,9 +560,21 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     enc = common.PromptEncoder(pipe)
     embeds, pooled = enc(PROMPTS)
     kw = dict(num_steps=4, dynamics="Flow-SDE", eta=0.7, latent_shape=pipe.latent_shape)
-    full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled,
-                         generator=common.keyed_generators(0, 0, "rollout", indices=[0, 1, 2]), **kw)  # fmt: skip
-    last = common.sample(pipe.transformer, pipe.scheduler, embeds[2:], pooled[2:],
-                         generator=common.keyed_generators(0, 0, "rollout", indices=[2]), **kw)  # fmt: skip
+    full = common.sample(
+        pipe.transformer,
+        pipe.scheduler,
+        embeds,
+        pooled,
+        generator=common.keyed_generators(0, 0, "rollout", indices=[0, 1, 2]),
+        **kw,
+    )
+    last = common.sample(
+        pipe.transformer,
+        pipe.scheduler,
+        embeds[2:],
+        pooled[2:],
+        generator=common.keyed_generators(0, 0, "rollout", indices=[2]),
+        **kw,
+    )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 import common
 from algos import crd
-from conftest import run_script
 
 
 def test_snapshot_decay_schedules():
@@ -171,9 +171,11 @@ def test_crd_learns_both_directions(reward, tmp_path):
     """Deterministic: 8 epochs on two prompts move the held-out reward up in either direction of the JPEG task,
     so an update that does nothing or has the wrong sign fails one of the two."""
     (tmp_path / "p.txt").write_text("a red circle\na blue square and a yellow triangle\n")
-    flags = (f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
-             "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 8 --eval-every 4 --grad-steps-per-epoch 1 "
-             f"--num-train-timesteps 4 --output-dir {tmp_path / 'runs'}")  # fmt: skip
+    flags = (
+        f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
+        "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 8 --eval-every 4 --grad-steps-per-epoch 1 "
+        f"--num-train-timesteps 4 --output-dir {tmp_path / 'runs'}"
+    )
     run_script(["algos/crd.py", *flags.split()])
     curve = _eval_curve(tmp_path / "runs", f"eval/{reward}")
     assert len(curve) == 3

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 from algos import dgpo
-from conftest import run_script
 
 # measured (6 epochs, CFG 1): compressibility -0.739 -> -0.523 (+0.22), incompressibility 0.739 -> 0.785 (+0.05); with
 # fixed eval noise a no-op update gives exactly 0 and a wrong sign a loss in one of the two directions
@@ -96,7 +96,9 @@ def test_group_weight_cancels_per_prompt_constants():
     prompt-dependent partition function contributes) leaves the group logit unchanged."""
     dsm, dsm_ref, adv = _batch(seed=2)
     shifted = dsm.detach() + torch.tensor([0.3, -1.0, 7.0], dtype=torch.float64).repeat_interleave(4)
-    torch.testing.assert_close(dgpo.group_logits(shifted, dsm_ref, adv, 4, 100.0), dgpo.group_logits(dsm, dsm_ref, adv, 4, 100.0))
+    torch.testing.assert_close(
+        dgpo.group_logits(shifted, dsm_ref, adv, 4, 100.0), dgpo.group_logits(dsm, dsm_ref, adv, 4, 100.0)
+    )
 
 
 def test_group_noise_shared_within_groups_only():

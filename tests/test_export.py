@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import ode_sample
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
 from models import flux
-from conftest import ode_sample
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red circle", "a blue square and a red circle"]
@@ -41,9 +41,19 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
     (tmp / "test.txt").write_text("a red circle\ntwo squares\n")
     nft = load_algo("nft")
-    args = nft.Args(num_prompts=2, group_size=4, micro_batch=4, num_steps=2, num_train_timesteps=1, num_epochs=1,
-                    test_prompts=str(tmp / "test.txt"), output_dir=str(tmp / "runs"), track=True, wandb_project_name="test",
-                    push_to_hub="someone/tiny-lora")  # fmt: skip
+    args = nft.Args(
+        num_prompts=2,
+        group_size=4,
+        micro_batch=4,
+        num_steps=2,
+        num_train_timesteps=1,
+        num_epochs=1,
+        test_prompts=str(tmp / "test.txt"),
+        output_dir=str(tmp / "runs"),
+        track=True,
+        wandb_project_name="test",
+        push_to_hub="someone/tiny-lora",
+    )
     pipes, uploads, export = [], [], common.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
@@ -68,8 +78,9 @@ def trained(tmp_path_factory):
             for s, h in handlers.items():
                 signal.signal(s, h)
     (run_dir,) = (tmp / "runs").iterdir()
-    return SimpleNamespace(run_dir=run_dir, lora=run_dir / "lora", pipe=pipes[-1], exports=len(pipes), uploads=uploads,
-                           tmp=tmp)  # fmt: skip
+    return SimpleNamespace(
+        run_dir=run_dir, lora=run_dir / "lora", pipe=pipes[-1], exports=len(pipes), uploads=uploads, tmp=tmp
+    )
 
 
 def stock_sd3(lora_dir=None):
@@ -91,8 +102,9 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
     steps, noise = 4, torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
     ours = common.decode(trained.pipe, ode_sample(trained.pipe, PROMPTS, noise, steps, 1.0)[0].latents)
     sigmas = np.linspace(1.0, 1.0 / steps, steps).tolist()  # our schedule (common.sigma_schedule) before the shift
-    call = dict(prompt=PROMPTS, num_inference_steps=steps, guidance_scale=1.0, sigmas=sigmas, max_sequence_length=1,
-                output_type="pt")  # fmt: skip
+    call = dict(
+        prompt=PROMPTS, num_inference_steps=steps, guidance_scale=1.0, sigmas=sigmas, max_sequence_length=1, output_type="pt"
+    )
     loaded = stock_sd3(trained.lora)(**call, latents=noise.clone()).images
     base = stock_sd3()(**call, latents=noise.clone()).images
     (tmp_path / "no-metadata").mkdir()
@@ -118,13 +130,23 @@ def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(tr
 def test_model_card_and_folder(trained):
     assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", common.LORA_WEIGHTS, "samples.png"]
     assert not list(trained.run_dir.glob(".lora*"))  # no temp or old folder left by the atomic swap
-    assert (trained.lora / common.LORA_WEIGHTS).stat().st_mode & 0o044 == (trained.run_dir / "args.json").stat().st_mode & 0o044
+    assert (trained.lora / common.LORA_WEIGHTS).stat().st_mode & 0o044 == (
+        trained.run_dir / "args.json"
+    ).stat().st_mode & 0o044
     assert trained.exports == 1  # save_every 10 > 1 epoch: only the final save
     card = (trained.lora / "README.md").read_text()
     config = json.loads((trained.run_dir / "args.json").read_text())
-    for text in ("DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117", "| reward | `shapes_clean` |", "the trained policy, after epoch 1",
-                 "| eval/shapes | ", "| eval/shapes_strict | ", "![samples](samples.png)", "| learning_rate | ",
-                 f"Git commit: `{config['git_commit']}`", "Command: `python "):  # fmt: skip
+    for text in (
+        "DiffusionNFT, Zheng et al. 2025, arXiv 2509.16117",
+        "| reward | `shapes_clean` |",
+        "the trained policy, after epoch 1",
+        "| eval/shapes | ",
+        "| eval/shapes_strict | ",
+        "![samples](samples.png)",
+        "| learning_rate | ",
+        f"Git commit: `{config['git_commit']}`",
+        "Command: `python ",
+    ):
         assert text in card, text
 
 
@@ -177,8 +199,17 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
     doc = "Algo, arXiv 1\n\nmore"
     common.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
     (out / "stale.txt").write_text("from an older export")
-    common.export_lora(out, trained.pipe, transformer, args, "Algo, arXiv 1", 4, weights=ema, weights_name="the eval EMA",
-                       samples=torch.zeros(3, 4, 6))  # fmt: skip
+    common.export_lora(
+        out,
+        trained.pipe,
+        transformer,
+        args,
+        "Algo, arXiv 1",
+        4,
+        weights=ema,
+        weights_name="the eval EMA",
+        samples=torch.zeros(3, 4, 6),
+    )
     assert sorted(p.name for p in out.iterdir()) == ["README.md", common.LORA_WEIGHTS, "samples.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]
     with safe_open(str(out / common.LORA_WEIGHTS), "pt") as f:
@@ -204,8 +235,15 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
             if "lora_B" in n:
                 p.normal_(0, 0.2)
     assert params
-    args = SimpleNamespace(model=flux_pipeline_dirs["dev"], reward="shapes", num_steps=3, guidance_scale=3.5,
-                           lora_targets=("to_q",), lora_rank=4, lora_alpha=8.0)  # fmt: skip
+    args = SimpleNamespace(
+        model=flux_pipeline_dirs["dev"],
+        reward="shapes",
+        num_steps=3,
+        guidance_scale=3.5,
+        lora_targets=("to_q",),
+        lora_rank=4,
+        lora_alpha=8.0,
+    )
     out = common.export_lora(tmp_path / "lora", pipe, pipe.transformer, args, "FLUX test", 0)
     assert "from diffusers import FluxPipeline" in (out / "README.md").read_text()
 
@@ -214,8 +252,16 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
     ours, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance)
     stock = FluxPipeline.from_pretrained(flux_pipeline_dirs["dev"])
     stock.set_progress_bar_config(disable=True)
-    call = dict(prompt=PROMPTS, latents=flux.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance,
-                height=64, width=64, max_sequence_length=enc.max_sequence_length, output_type="latent")  # fmt: skip
+    call = dict(
+        prompt=PROMPTS,
+        latents=flux.pack_latents(noise),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=64,
+        width=64,
+        max_sequence_length=enc.max_sequence_length,
+        output_type="latent",
+    )
     base = stock(**call).images
     stock.load_lora_weights(str(out))
     loaded = stock(**call).images
@@ -286,9 +332,17 @@ def test_busy_cpu_hint(monkeypatch, omp, threads, load, hint):
 
 
 def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
-    args = SimpleNamespace(model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", num_steps=40,
-                           guidance_scale=4.5, resolution=512, exp_name="crd", lora_targets=("to_q",), lora_rank=32,
-                           lora_alpha=64.0)  # fmt: skip
+    args = SimpleNamespace(
+        model="stabilityai/stable-diffusion-3.5-medium",
+        reward="pickscore",
+        num_steps=40,
+        guidance_scale=4.5,
+        resolution=512,
+        exp_name="crd",
+        lora_targets=("to_q",),
+        lora_rank=32,
+        lora_alpha=64.0,
+    )
     evals = {"eval/pickscore": (0.91, 640), "eval/shapes_exact": (0.25, 640), "eval/ocr/colours": (0.5, 640)}
     card = common.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
     assert card.startswith("---\nlibrary_name: diffusers\n") and "base_model: stabilityai/stable-diffusion-3.5-medium" in card

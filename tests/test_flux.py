@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import ode_sample, run_script
 
 import common
 from models import flux
-from conftest import ode_sample, run_script
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
 
@@ -48,8 +48,15 @@ def test_ode_sampler_matches_flux_pipeline(pipes, variant, guidance_scale):
     pipe, steps = pipes[variant], 4
     noise = torch.randn(len(PROMPTS), 4, 16, 8, generator=torch.Generator().manual_seed(0))
     out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance_scale)
-    call = dict(prompt=PROMPTS, latents=flux.pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance_scale,
-                height=64, width=32, max_sequence_length=enc.max_sequence_length)  # fmt: skip
+    call = dict(
+        prompt=PROMPTS,
+        latents=flux.pack_latents(noise),
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        height=64,
+        width=32,
+        max_sequence_length=enc.max_sequence_length,
+    )
     ref_latents = pipe(**call, output_type="latent").images
     torch.testing.assert_close(flux.pack_latents(out.latents), ref_latents, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.sigmas, pipe.scheduler.sigmas, atol=1e-6, rtol=0)  # the schedule the pipeline set
@@ -108,9 +115,23 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
 def test_nft_runs_on_flux(flux_pipeline_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))
-    flags = ("--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --num-train-timesteps 2 "
-             "--kl-beta 0.01 --guidance-scale 3.5 --reward jpeg_compressibility")  # kl-beta: the reference model too
+    flags = (
+        "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --num-train-timesteps 2 "
+        "--kl-beta 0.01 --guidance-scale 3.5 --reward jpeg_compressibility"
+    )  # kl-beta: the reference model too
     model = flux_pipeline_dirs["dev"]
-    out = run_script(["algos/nft.py", "--model", model, "--train-prompts", prompts, "--test-prompts", prompts, *flags.split(),
-                      "--output-dir", tmp_path / "runs"])  # fmt: skip
+    out = run_script(
+        [
+            "algos/nft.py",
+            "--model",
+            model,
+            "--train-prompts",
+            prompts,
+            "--test-prompts",
+            prompts,
+            *flags.split(),
+            "--output-dir",
+            tmp_path / "runs",
+        ]
+    )
     assert "final eval" in out.stdout and list((tmp_path / "runs").glob("*/checkpoints/last/weights.safetensors"))

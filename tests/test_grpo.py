@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 import common
 from algos import grpo
-from conftest import run_script
 
 
 def test_ppo_loss_matches_explicit_loop_and_gradient():
@@ -61,9 +61,11 @@ def test_policy_gradient_raises_log_prob_of_positive_samples():
 def test_grpo_learns_both_directions(reward, tmp_path):
     """Deterministic: 12 epochs on two prompts raise the held-out reward in either direction of the JPEG task."""
     (tmp_path / "p.txt").write_text("a red circle\na blue square and a yellow triangle\n")
-    flags = (f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
-             "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 12 --eval-every 6 --grad-steps-per-epoch 2 "
-             f"--num-sde-steps 4 --output-dir {tmp_path / 'runs'}")  # fmt: skip
+    flags = (
+        f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
+        "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 12 --eval-every 6 --grad-steps-per-epoch 2 "
+        f"--num-sde-steps 4 --output-dir {tmp_path / 'runs'}"
+    )
     run_script(["algos/grpo.py", *flags.split()])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -86,7 +88,9 @@ def test_official_kl_form_is_flow_grpos_formula():
     sigma_t = eta * np.sqrt(s / (1 - s))
     ref = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)
     torch.testing.assert_close(grpo.step_kl(mean, mean_ref, std, s_next - s, "official"), ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(grpo.step_kl(mean, mean_ref, std, s_next - s, "exact"), ref / (s - s_next), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        grpo.step_kl(mean, mean_ref, std, s_next - s, "exact"), ref / (s - s_next), atol=1e-6, rtol=1e-5
+    )
 
 
 def test_guard_log_ratio_is_noise_dot_mean_shift():
@@ -128,12 +132,21 @@ def test_paper_options_run_end_to_end(tmp_path):
     """GRPO-Guard + official KL + contiguous window + zero-advantage filter on CPS with the surrogate log-prob is
     refused (Guard needs Gaussian log-probs); each combination that is allowed trains one epoch."""
     (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
-    base = ["--train-prompts", tmp_path / "p.txt", "--test-prompts", tmp_path / "p.txt", *"--num-prompts 2 --group-size 4 "
-            "--micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --eval-every 5".split(),
-            "--output-dir", tmp_path / "runs"]  # fmt: skip
+    base = [
+        "--train-prompts",
+        tmp_path / "p.txt",
+        "--test-prompts",
+        tmp_path / "p.txt",
+        *"--num-prompts 2 --group-size 4 "
+        "--micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --eval-every 5".split(),
+        "--output-dir",
+        tmp_path / "runs",
+    ]
     bad = run_script(["algos/grpo.py", *base, "--grpo-guard", "--log-prob-form", "mse"], check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --grpo-guard")
-    for flags in ("--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
-                  "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3"):  # fmt: skip
+    for flags in (
+        "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
+        "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3",
+    ):
         out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]

@@ -24,16 +24,29 @@ def tiny_clip(tmp_path_factory):
     tok = build_tokenizer(" ".join(PROMPTS).split())
     torch.manual_seed(0)
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=MAX_TOKENS, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=MAX_TOKENS,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+        ),
         projection_dim=16,
-    )  # fmt: skip
+    )
     # non-default mean and std, so the test sees them read from the saved config
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                      image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])  # fmt: skip
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        image_mean=[0.5, 0.4, 0.3],
+        image_std=[0.2, 0.25, 0.3],
+    )
     for name in ("clip", "processor"):
         tok.save_pretrained(root / name)
         processor.save_pretrained(root / name)
@@ -44,9 +57,13 @@ def tiny_clip(tmp_path_factory):
 
 @pytest.fixture
 def env(monkeypatch, tiny_clip):
-    for var, path in [("CLEANFLOW_PICKSCORE_MODEL", "clip"), ("CLEANFLOW_PICKSCORE_PROCESSOR", "processor"),
-                      ("CLEANFLOW_CLIP_MODEL", "clip"), ("CLEANFLOW_AESTHETIC_CLIP", "clip"),
-                      (HEAD_ENV, "head")]:  # fmt: skip
+    for var, path in [
+        ("CLEANFLOW_PICKSCORE_MODEL", "clip"),
+        ("CLEANFLOW_PICKSCORE_PROCESSOR", "processor"),
+        ("CLEANFLOW_CLIP_MODEL", "clip"),
+        ("CLEANFLOW_AESTHETIC_CLIP", "clip"),
+        (HEAD_ENV, "head"),
+    ]:
         monkeypatch.setenv(var, tiny_clip[path])
     return monkeypatch
 
@@ -128,10 +145,15 @@ def test_aesthetic(env, tiny_clip):
     assert torch.equal(aesthetic("cpu")(images, PROMPTS[::-1]), scores)
 
 
-@pytest.mark.parametrize("factory, var", [
-    (pickscore, "CLEANFLOW_PICKSCORE_MODEL"), (pickscore, "CLEANFLOW_PICKSCORE_PROCESSOR"),
-    (clipscore, "CLEANFLOW_CLIP_MODEL"), (aesthetic, "CLEANFLOW_AESTHETIC_CLIP"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "factory, var",
+    [
+        (pickscore, "CLEANFLOW_PICKSCORE_MODEL"),
+        (pickscore, "CLEANFLOW_PICKSCORE_PROCESSOR"),
+        (clipscore, "CLEANFLOW_CLIP_MODEL"),
+        (aesthetic, "CLEANFLOW_AESTHETIC_CLIP"),
+    ],
+)
 @pytest.mark.parametrize("missing", ["dir", "hub id"])
 def test_missing_model_is_one_line(env, tmp_path, factory, var, missing):
     name = str(tmp_path / "no-such-model") if missing == "dir" else "cleanflow-tests/no-such-model"  # HF_HUB_OFFLINE=1

@@ -9,14 +9,14 @@ import types
 
 import numpy as np
 import pytest
+import tiny_families
 import torch
+from conftest import ode_sample
 from safetensors.torch import load_file
 
 import common
 import models
 from models import flux, wan
-import tiny_families
-from conftest import ode_sample, run_script
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
@@ -54,8 +54,13 @@ FAMILIES = {
     "flux2_dev": ("flux2_dev", 32, 4.0, 1e-5, {}),
     # the same calls in the same order, the CFG renormalisation included; our prompts are encoded alone (history-independent
     # embeddings) where the pipeline encodes the batch at once, which moves the text encoder's output ~1e-7: measured 2.4e-7
-    "qwen_image": ("qwen_image", 32, 4.0, 1e-5, dict(latents=flux.pack_latents, guidance_scale=None, true_cfg_scale=4.0,
-                                                     negative_prompt=[""] * len(PROMPTS))),
+    "qwen_image": (
+        "qwen_image",
+        32,
+        4.0,
+        1e-5,
+        dict(latents=flux.pack_latents, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=[""] * len(PROMPTS)),
+    ),
     # the same batched 2B call and the pipeline's own CFG expression (its guidance_scale is ours - 1); prompts encoded alone
     # as for Qwen-Image: measured 6.3e-7
     "z_image": ("z_image", 32, 4.0, 1e-5, dict(guidance_scale=3.0, negative_prompt=[""] * len(PROMPTS))),
@@ -79,8 +84,16 @@ def compare_with_pipeline(pipe, stock, family, steps: int = 4) -> float:
     noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance)
     ours = common.decode(pipe, out.latents)
-    call = dict(prompt=list(PROMPTS), latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance, height=pixels,
-                width=pixels, sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(), output_type="pt")  # fmt: skip
+    call = dict(
+        prompt=list(PROMPTS),
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=pixels,
+        width=pixels,
+        sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(),
+        output_type="pt",
+    )
     # the family's own keywords and layouts; lists copied: ZImagePipeline rewrites its prompt lists in place
     call.update({k: v(call.get(k)) if callable(v) else list(v) if isinstance(v, list) else v for k, v in extra.items()})
     if "max_sequence_length" in inspect.signature(pipe.pipe.__call__).parameters:
@@ -90,7 +103,9 @@ def compare_with_pipeline(pipe, stock, family, steps: int = 4) -> float:
     if type(stock).__name__ == "WanPipeline":  # no sigmas argument: fix its scheduler's grid to ours
         call.pop("sigmas")
         set_timesteps = stock.scheduler.set_timesteps
-        stock.scheduler.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n).tolist(), device=device)
+        stock.scheduler.set_timesteps = lambda n, device=None: set_timesteps(
+            sigmas=np.linspace(1.0, 1.0 / n, n).tolist(), device=device
+        )
         ref = stock(**call).frames
         del stock.scheduler.set_timesteps
     else:
@@ -124,9 +139,21 @@ def train(algo: str, family: str, family_dirs, tmp_path):
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
     module = load_algo(algo)
     per_algo = {"nft": dict(num_train_timesteps=1), "grpo": dict(grad_steps_per_epoch=1, num_sde_steps=1)}[algo]
-    args = module.Args(model=family_dirs(builder), resolution=pixels, guidance_scale=guidance, reward="jpeg_compressibility",
-                       num_prompts=2, group_size=4, micro_batch=4, num_steps=3, num_epochs=1, train_prompts=str(tmp_path / "prompts.txt"),
-                       test_prompts=str(tmp_path / "prompts.txt"), output_dir=str(tmp_path / "runs"), **per_algo)  # fmt: skip
+    args = module.Args(
+        model=family_dirs(builder),
+        resolution=pixels,
+        guidance_scale=guidance,
+        reward="jpeg_compressibility",
+        num_prompts=2,
+        group_size=4,
+        micro_batch=4,
+        num_steps=3,
+        num_epochs=1,
+        train_prompts=str(tmp_path / "prompts.txt"),
+        test_prompts=str(tmp_path / "prompts.txt"),
+        output_dir=str(tmp_path / "runs"),
+        **per_algo,
+    )
     pipes, export = [], common.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
@@ -153,7 +180,9 @@ def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at 0: any non-zero entry is a trained update
     # the scripts' shared default targets attach to exactly the family's own list (peft skips names a model lacks)
-    targets = {t for t in module.Args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)}
+    targets = {
+        t for t in module.Args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)
+    }
     assert targets == set(trained.family.lora_targets)
     if algo == "nft" and hasattr(trained.pipe, "load_lora_weights"):  # the export loads into the stock pipeline
         stock = type(trained.pipe).from_pretrained(family_dirs(FAMILIES[family][0]))
@@ -174,19 +203,28 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
     videos = torch.rand(2, 3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     videos[1, 2] = 0.5  # a flat frame compresses far better: the mean must move
     got = per_frame(fn)(videos, ["a", "b"])
-    expected = torch.stack([torch.stack([fn(videos[i, f : f + 1], [p])[0] for f in range(3)]).mean() for i, p in enumerate("ab")])
+    expected = torch.stack(
+        [torch.stack([fn(videos[i, f : f + 1], [p])[0] for f in range(3)]).mean() for i, p in enumerate("ab")]
+    )
     torch.testing.assert_close(got, expected.float())
     assert got.shape == (2,)
 
 
-@pytest.mark.parametrize("hub_id,expected", [
-    ("black-forest-labs/FLUX.2-klein-4B", "Flux2KleinPipeline"), ("black-forest-labs/FLUX.2-dev", "Flux2Pipeline"),
-    ("black-forest-labs/FLUX.1-dev", "FluxPipeline"), ("Qwen/Qwen-Image-2512", "QwenImagePipeline"),
-    ("Tongyi-MAI/Z-Image-Turbo", "ZImagePipeline"), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "WanPipeline"),
-    ("stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline"),
-    ("Efficient-Large-Model/Sana_1600M_1024px_diffusers", "SanaPipeline"),
-    ("Alpha-VLLM/Lumina-Image-2.0", "Lumina2Pipeline"), ("THUDM/CogView4-6B", "CogView4Pipeline"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "hub_id,expected",
+    [
+        ("black-forest-labs/FLUX.2-klein-4B", "Flux2KleinPipeline"),
+        ("black-forest-labs/FLUX.2-dev", "Flux2Pipeline"),
+        ("black-forest-labs/FLUX.1-dev", "FluxPipeline"),
+        ("Qwen/Qwen-Image-2512", "QwenImagePipeline"),
+        ("Tongyi-MAI/Z-Image-Turbo", "ZImagePipeline"),
+        ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "WanPipeline"),
+        ("stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline"),
+        ("Efficient-Large-Model/Sana_1600M_1024px_diffusers", "SanaPipeline"),
+        ("Alpha-VLLM/Lumina-Image-2.0", "Lumina2Pipeline"),
+        ("THUDM/CogView4-6B", "CogView4Pipeline"),
+    ],
+)
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
     import diffusers
 
@@ -215,7 +253,9 @@ def test_cogview4_time_is_the_unshifted_sigma():
 
     from models import cogview4
 
-    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="linear", base_shift=0.25, max_shift=0.75)
+    sched = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, time_shift_type="linear", base_shift=0.25, max_shift=0.75
+    )
     mu = cogview4.mu(sched.config, 1024, 10)
     assert mu == pytest.approx(0.75 * 2 + 0.25)  # 1024 tokens = 4 x 256
     sigmas = common.sigma_schedule(sched, 10, mu=mu)[:-1].double()
@@ -231,8 +271,13 @@ def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(fami
     enc.precompute(["a square"])
     assert ("negative", "") in enc.cache and "" in enc.cache
     neg, mask = enc.negative(2)
-    _, _, ref, ref_mask = pipe.encode_prompt(["a square"] * 2, do_classifier_free_guidance=True, negative_prompt="",
-                                             max_sequence_length=16, complex_human_instruction=models.sana.instruction(pipe.pipe))  # fmt: skip
+    _, _, ref, ref_mask = pipe.encode_prompt(
+        ["a square"] * 2,
+        do_classifier_free_guidance=True,
+        negative_prompt="",
+        max_sequence_length=16,
+        complex_human_instruction=models.sana.instruction(pipe.pipe),
+    )
     torch.testing.assert_close(neg, ref, rtol=0, atol=0)
     torch.testing.assert_close(mask, ref_mask, rtol=0, atol=0)
     as_prompt = enc([""])[0][0]  # as a prompt "" gets the instruction: other embeddings of the same shape

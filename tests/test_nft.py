@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 from algos import nft
-from conftest import run_script
 
 
 def test_optimality_probability():
@@ -40,7 +40,10 @@ def _x0_regression_reference(x0_hat, x0, adaptive):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_x0_regression_matches_numpy_and_detaches_the_normaliser(adaptive):
     g = torch.Generator().manual_seed(0)
-    x0_hat, x0 = torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64), torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64)
+    x0_hat, x0 = (
+        torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64),
+        torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64),
+    )
     x0_hat.requires_grad_(True)
     loss = nft.x0_regression(x0_hat, x0, adaptive)
     np.testing.assert_allclose(loss.detach().numpy(), _x0_regression_reference(x0_hat.detach().numpy(), x0.numpy(), adaptive))
@@ -136,8 +139,9 @@ def test_optimum_is_old_plus_two_over_beta_delta(beta):
     alpha = r.mean()
     v_plus = (r.view(-1, 1, 1, 1) * u).sum(0, keepdim=True) / r.sum()
     v_star = (v_old + 2 / beta * alpha * (v_plus - v_old)).requires_grad_(True)
-    loss, _, _ = nft.nft_loss(v_star.expand(k, -1, -1, -1), v_old.expand(k, -1, -1, -1), x0, xt.expand(k, -1, -1, -1),
-                              sigma, r, beta, adaptive=False)  # fmt: skip
+    loss, _, _ = nft.nft_loss(
+        v_star.expand(k, -1, -1, -1), v_old.expand(k, -1, -1, -1), x0, xt.expand(k, -1, -1, -1), sigma, r, beta, adaptive=False
+    )
     loss.sum().backward()
     assert v_star.grad.abs().max().item() < 1e-12
 
@@ -156,11 +160,34 @@ def test_it_learns_jpeg_compressibility(tmp_path):
     (tmp_path / "train.txt").write_text("a red circle\ntwo blue squares\n")
     (tmp_path / "test.txt").write_text("a red circle\ntwo blue squares\n" * 4)
     cmd = [
-        "algos/nft.py", "--reward", "jpeg_compressibility", "--train-prompts", str(tmp_path / "train.txt"),
-        "--test-prompts", str(tmp_path / "test.txt"), "--num-prompts", "2", "--group-size", "8", "--micro-batch", "16",
-        "--num-steps", "6", "--num-train-timesteps", "2", "--num-epochs", "8", "--eval-every", "8", "--save-every", "8",
-        "--seed", "1", "--output-dir", str(tmp_path / "runs"),
-    ]  # fmt: skip
+        "algos/nft.py",
+        "--reward",
+        "jpeg_compressibility",
+        "--train-prompts",
+        str(tmp_path / "train.txt"),
+        "--test-prompts",
+        str(tmp_path / "test.txt"),
+        "--num-prompts",
+        "2",
+        "--group-size",
+        "8",
+        "--micro-batch",
+        "16",
+        "--num-steps",
+        "6",
+        "--num-train-timesteps",
+        "2",
+        "--num-epochs",
+        "8",
+        "--eval-every",
+        "8",
+        "--save-every",
+        "8",
+        "--seed",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+    ]
     run_script(cmd)
     (run_dir,) = (tmp_path / "runs").iterdir()
     before, after = _eval_curve(run_dir, "eval/jpeg_compressibility")

@@ -98,19 +98,37 @@ def test_eval_adds_exact_spelling_rate():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "a, b, distance",
-    [("", "", 0), ("abc", "", 3), ("", "abc", 3), ("abc", "abc", 0), ("kitten", "sitting", 3), ("flaw", "lawn", 2),
-     ("abc", "acb", 2), ("abcd", "abxd", 1), ("abc", "abcd", 1), ("intention", "execution", 5), ("ab", "ba", 2)],
-)  # fmt: skip
+    [
+        ("", "", 0),
+        ("abc", "", 3),
+        ("", "abc", 3),
+        ("abc", "abc", 0),
+        ("kitten", "sitting", 3),
+        ("flaw", "lawn", 2),
+        ("abc", "acb", 2),
+        ("abcd", "abxd", 1),
+        ("abc", "abcd", 1),
+        ("intention", "execution", 5),
+        ("ab", "ba", 2),
+    ],
+)
 def test_edit_distance(a, b, distance):
     assert ocr.edit_distance(a, b) == distance == ocr.edit_distance(b, a)
 
 
 @pytest.mark.parametrize(
     "recognised, target, score",
-    [("Hello World", "hello world", 1.0), ("HELLOWORLD", "Hello World", 1.0), ("OPEN NOW 24h", "now", 1.0),
-     ("helo", "hello", 0.8), ("", "hello", 0.0), ("xyz", "hello", 0.0), ("a very long unrelated line", "cat", 0.0),
-     ("cta", "cat", 1 / 3)],
-)  # fmt: skip
+    [
+        ("Hello World", "hello world", 1.0),
+        ("HELLOWORLD", "Hello World", 1.0),
+        ("OPEN NOW 24h", "now", 1.0),
+        ("helo", "hello", 0.8),
+        ("", "hello", 0.0),
+        ("xyz", "hello", 0.0),
+        ("a very long unrelated line", "cat", 0.0),
+        ("cta", "cat", 1 / 3),
+    ],
+)
 def test_score_follows_flow_grpo(recognised, target, score):
     assert ocr.ocr_score(recognised, target) == pytest.approx(score)
 

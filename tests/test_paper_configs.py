@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_benchmark_scripts import REPO, parse_script
 
 FG = "yifan123/flow_grpo@ac4c86e "
@@ -39,8 +38,10 @@ OFFICIAL = {
             "eta": (0.8, FAST + "sample.noise_level"),
             "num_sde_steps": (2, FAST + "sample.train_num_steps"),
             "window_mode": ("contiguous", "yifan123/flow_grpo@74db691 scripts/train_sd3_fast.py (sde_window_size)"),
-            "sde_window": ((0, 5), "yifan123/flow_grpo@54809b5 config/grpo.py::pickscore_sd3_fast_nocfg "
-                                   "sde_window_range = (0, num_steps // 2)"),
+            "sde_window": (
+                (0, 5),
+                "yifan123/flow_grpo@54809b5 config/grpo.py::pickscore_sd3_fast_nocfg sde_window_range = (0, num_steps // 2)",
+            ),
             "clip_low": (1e-5, FAST + "train.clip_range"),
             "clip_high": (1e-5, FAST + "train.clip_range"),
             "kl_beta": (0.0, FAST + "train.beta"),

@@ -27,7 +27,7 @@ def render(*objects) -> torch.Tensor:
 def blur(images: torch.Tensor, sigma: float = 1.0) -> torch.Tensor:
     """Separable Gaussian blur (radius 3 sigma), edges replicated."""
     r = int(3 * sigma)
-    k = torch.exp(-torch.arange(-r, r + 1).float() ** 2 / (2 * sigma**2))
+    k = torch.exp(-(torch.arange(-r, r + 1).float() ** 2) / (2 * sigma**2))
     k = (k / k.sum()).expand(3, 1, 1, -1)
     images = F.conv2d(F.pad(images, (r, r, 0, 0), mode="replicate"), k, groups=3)
     return F.conv2d(F.pad(images, (0, 0, r, r), mode="replicate"), k.transpose(2, 3), groups=3)
@@ -57,11 +57,15 @@ def test_parse_every_world_prompt():
         ("three red circles", "counting", [("circle", "red", 3)], None),
         ("one square", "counting", [("square", None, 1)], None),
         ("An  Orange Square", "colors", [("square", "orange", None)], None),
-        ("a purple triangle above an orange circle", "position",
-         [("triangle", "purple", None), ("circle", "orange", None)], "above"),
+        (
+            "a purple triangle above an orange circle",
+            "position",
+            [("triangle", "purple", None), ("circle", "orange", None)],
+            "above",
+        ),
         ("a red circle and a square", "color_attr", [("circle", "red", None), ("square", None, None)], None),
     ],
-)  # fmt: skip
+)
 def test_parse_unseen_combinations(prompt, category, objects, relation):
     parsed = shapes.parse_prompt(prompt)
     assert parsed["category"] == category and parsed["relation"] == relation
@@ -70,9 +74,21 @@ def test_parse_unseen_combinations(prompt, category, objects, relation):
 
 @pytest.mark.parametrize(
     "prompt",
-    ["", "a dog", "circle", "a circles", "three circle", "one circles", "five circles", "a red", "a circle and",
-     "a circle next to a square", "a circle and a square and a triangle", "a pink circle"],
-)  # fmt: skip
+    [
+        "",
+        "a dog",
+        "circle",
+        "a circles",
+        "three circle",
+        "one circles",
+        "five circles",
+        "a red",
+        "a circle and",
+        "a circle next to a square",
+        "a circle and a square and a triangle",
+        "a pink circle",
+    ],
+)
 def test_parse_rejects_garbage(prompt):
     with pytest.raises(ValueError, match="cannot parse prompt"):
         shapes.parse_prompt(prompt)
@@ -132,8 +148,11 @@ def test_any_resolution(ground_truth):
     "prompt, scene, expected",
     [
         ("three circles", [("red", "circle", 5, 5, 14), ("blue", "circle", 40, 40, 14)], 1 / 2),
-        ("two triangles",
-         [("red", "triangle", 5, 5, 12), ("red", "triangle", 40, 5, 12), ("red", "triangle", 20, 40, 12)], 1 / 2),
+        (
+            "two triangles",
+            [("red", "triangle", 5, 5, 12), ("red", "triangle", 40, 5, 12), ("red", "triangle", 20, 40, 12)],
+            1 / 2,
+        ),
         ("a circle to the left of a square", [("red", "square", 5, 20, 15), ("blue", "circle", 40, 20, 15)], 2 / 3),
         ("a circle to the right of a square", [("red", "square", 5, 20, 15), ("blue", "circle", 40, 20, 15)], 1.0),
         ("a square above a triangle", [("green", "square", 5, 40, 15), ("blue", "triangle", 5, 5, 15)], 2 / 3),
@@ -143,7 +162,7 @@ def test_any_resolution(ground_truth):
         ("a circle and a square", [("green", "circle", 20, 20, 16)], 1 / 2),
         ("a triangle", [("green", "square", 20, 20, 16)], 0.0),
     ],
-)  # fmt: skip
+)
 def test_wrong_images_lose_exactly_the_failed_requirements(prompt, scene, expected):
     result = shapes.evaluate(render(*scene), [prompt])
     assert result["score"].item() == pytest.approx(expected)
@@ -205,7 +224,9 @@ def test_clean_counts_each_extra_object_as_an_unmet_requirement(ground_truth):
         extra = max(0, len(shapes.components(dirty[i : i + 1])[0]) - shapes.asked_objects(parsed))
         asked = shapes.asked_objects(parsed)
         assert result["clean"][i].item() == pytest.approx(sum(met) / len(met) * asked / (asked + extra))
-        assert result["exact"][i].item() == float(all(met) and extra == 0 and result["objects"][i] == shapes.asked_objects(parsed))
+        assert result["exact"][i].item() == float(
+            all(met) and extra == 0 and result["objects"][i] == shapes.asked_objects(parsed)
+        )
     assert result["extra"].sum() > 10  # the test really added extra objects
 
 
@@ -225,8 +246,15 @@ def test_eval_logs_the_hacking_metrics_for_either_shapes_reward(ground_truth):
     images, captions = ground_truth
     for spec in ("shapes", "shapes_clean"):
         out = load_rewards(spec, "cpu").evaluate(images[:12], captions[:12])
-        assert {"shapes", "shapes_strict", "shapes_clean", "shapes_exact", "objects", "objects_extra",
-                "prompt_specific_gap"} <= set(out)  # fmt: skip
+        assert {
+            "shapes",
+            "shapes_strict",
+            "shapes_clean",
+            "shapes_exact",
+            "objects",
+            "objects_extra",
+            "prompt_specific_gap",
+        } <= set(out)
         assert out["shapes_exact"].mean() == 1.0 and out["prompt_specific_gap"].min() > 0
     with pytest.raises(UserError, match="cannot score the prompt 'a dog'"):
         load_rewards("shapes_clean", "cpu", ["a circle", "a dog"])

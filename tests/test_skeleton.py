@@ -18,7 +18,9 @@ def shared_blocks(path: Path) -> list:
         if stripped.startswith("# TRY NOT TO MODIFY"):
             current = [line]
             blocks.append(current)
-        elif current is not None and (stripped.startswith("# ALGO LOGIC") or stripped.startswith("# ----") or line.startswith("def ")):
+        elif current is not None and (
+            stripped.startswith("# ALGO LOGIC") or stripped.startswith("# ----") or line.startswith("def ")
+        ):
             current = None
         elif current is not None:
             current.append(line)

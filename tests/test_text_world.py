@@ -1,13 +1,12 @@
 """The tiny-text world and model (the OCR task): splits, renderings the OCR reads back, the shipped tokenizer spelling
 quoted words letter by letter, a base model that reads poorly but follows its prompt, and RL that raises the score."""
 
-
 import pytest
 import torch
+from conftest import run_script
 
 import common
 from assets import text_world
-from conftest import run_script
 from rewards import ocr
 
 TINY_TEXT = str(common.REPO / "assets" / "tiny-text")
@@ -57,8 +56,17 @@ def base_samples():
     CFG 1, fixed noise, one image per prompt)."""
     pipe = common.load_pipeline(TINY_TEXT, torch.device("cpu"))
     prompts = common.load_prompts(str(TEXT_TEST))
-    images, _ = common.evaluate(pipe, pipe.transformer, common.PromptEncoder(pipe), prompts, lambda i, p: {},
-                                num_steps=10, guidance_scale=1.0, seed=0, repeats=1)  # fmt: skip
+    images, _ = common.evaluate(
+        pipe,
+        pipe.transformer,
+        common.PromptEncoder(pipe),
+        prompts,
+        lambda i, p: {},
+        num_steps=10,
+        guidance_scale=1.0,
+        seed=0,
+        repeats=1,
+    )
     return images, prompts
 
 
@@ -80,11 +88,34 @@ def test_rl_raises_the_ocr_score(tmp_path):
     words = common.load_prompts(str(TEXT_TRAIN))[:4]
     (tmp_path / "p.txt").write_text("\n".join(words) + "\n")
     cmd = [
-        "algos/nft.py", "--model", TINY_TEXT, "--reward", "ocr", "--train-prompts", str(tmp_path / "p.txt"),
-        "--test-prompts", str(tmp_path / "p.txt"), "--num-prompts", "4", "--group-size", "8", "--micro-batch", "16",
-        "--num-steps", "8", "--num-epochs", "4", "--eval-every", "4", "--save-every", "4", "--seed", "1",
-        "--output-dir", str(tmp_path / "runs"),
-    ]  # fmt: skip
+        "algos/nft.py",
+        "--model",
+        TINY_TEXT,
+        "--reward",
+        "ocr",
+        "--train-prompts",
+        str(tmp_path / "p.txt"),
+        "--test-prompts",
+        str(tmp_path / "p.txt"),
+        "--num-prompts",
+        "4",
+        "--group-size",
+        "8",
+        "--micro-batch",
+        "16",
+        "--num-steps",
+        "8",
+        "--num-epochs",
+        "4",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "4",
+        "--seed",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+    ]
     run_script(cmd, timeout=600)
     (run_dir,) = (tmp_path / "runs").iterdir()
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})

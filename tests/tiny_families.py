@@ -5,9 +5,11 @@ small ChatML chat template stands in for Qwen's."""
 
 import torch
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-          "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def qwen_tokenizer(max_length: int = 32, padding_side: str = "right"):
@@ -18,8 +20,15 @@ def qwen_tokenizer(max_length: int = 32, padding_side: str = "right"):
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", model_max_length=max_length, padding_side=padding_side)  # fmt: skip
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=max_length,
+        padding_side=padding_side,
+    )
     tok.chat_template = CHATML
     return tok
 
@@ -28,9 +37,17 @@ def qwen3(tok, layers: int, hidden: int = 16, causal_lm: bool = True, seed: int 
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+    )
     return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)
 
 
@@ -41,23 +58,42 @@ def flux2_parts(guidance_embeds: bool):
 
     torch.manual_seed(1)
     transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
     vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
-        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32, use_quant_conv=False,
-        use_post_quant_conv=False, mid_block_add_attention=False,
-    )  # fmt: skip
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
     vae.bn.running_mean.normal_(0, 0.5)
     vae.bn.running_var.uniform_(0.5, 2.0)
-    return transformer, vae, FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    return (
+        transformer,
+        vae,
+        FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential"),
+    )
 
 
 def flux2_klein(path):
     """Flux2KleinPipeline (base: two-pass CFG), Qwen3 text encoder deep enough for layers 9/18/27 (hidden 16, so the
     transformer's joint_attention_dim is 3 x 16), a 2-block VAE (factor 2) with random BatchNorm statistics."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers import Flux2KleinPipeline
 
     tok = qwen_tokenizer()
     text_encoder = qwen3(tok, layers=27)
@@ -71,27 +107,73 @@ def qwen_image(path):
     """QwenImagePipeline: a tiny Qwen2.5-VL text encoder (its vision tower is never called for text-to-image), a 3-D
     Wan-style VAE (factor 2) with non-trivial latents_mean/std, the released scheduler config (dynamic shift with
     base 0.5 / max 0.9 over 256..8192 tokens, shift_terminal 0.02)."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = qwen_tokenizer(max_length=256)  # the 34 dropped template tokens + the prompt fit (one token per byte)
     torch.manual_seed(0)
-    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, max_position_embeddings=512,
-                bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, patch_size=2,
-                  spatial_merge_size=1, temporal_patch_size=1)  # fmt: skip
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        max_position_embeddings=512,
+        bos_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=16,
+        patch_size=2,
+        spatial_merge_size=1,
+        temporal_patch_size=1,
+    )
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **text))
     torch.manual_seed(1)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
-                                              num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))  # fmt: skip
-    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0])  # fmt: skip
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(8, 4, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.7, 1.2, 2.0],
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
-        shift_terminal=0.02, time_shift_type="exponential",
-    )  # fmt: skip
-    QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -104,16 +186,37 @@ def z_image(path):
     text_encoder = qwen3(tok, layers=2, causal_lm=False)
     torch.manual_seed(1)
     transformer = ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
-    )  # fmt: skip
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=16,
+        axes_dims=[8, 4, 4],
+        axes_lens=[256, 32, 32],
+    )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=32, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=32,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
+    ZImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -126,16 +229,40 @@ def wan(path):
 
     tok = qwen_tokenizer(max_length=32)
     torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32,
-                                               pad_token_id=tok.pad_token_id))  # fmt: skip
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
     torch.manual_seed(1)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                                        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)  # fmt: skip
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
-                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0], scale_factor_temporal=2,
-                           scale_factor_spatial=2)  # fmt: skip
-    pipe = WanPipeline(tokenizer=tok, text_encoder=text_encoder, transformer=transformer, vae=vae,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.7, 1.2, 2.0],
+        scale_factor_temporal=2,
+        scale_factor_spatial=2,
+    )
+    pipe = WanPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
     pipe.save_pretrained(path)
     return str(path)
 
@@ -144,19 +271,38 @@ def flux2_dev(path):
     """Flux2Pipeline (guidance embedding): a Mistral-3 text encoder deep enough for layers 10/20/30 (hidden 16) whose
     tokenizer is the byte-level one with a chat template (the real one is a PixtralProcessor; for text alone both
     answer `apply_chat_template` the same way); transformer, VAE and scheduler as klein's."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     tok = qwen_tokenizer(max_length=256)  # the system message (~190 bytes) and the prompt fit
     torch.manual_seed(0)
-    text = dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                pad_token_id=tok.pad_token_id)  # fmt: skip
-    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                  head_dim=8, image_size=16, patch_size=4)  # fmt: skip
+    text = dict(
+        model_type="mistral",
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+    )
+    vision = dict(
+        model_type="pixtral",
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=16,
+        patch_size=4,
+    )
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
     transformer, vae, scheduler = flux2_parts(guidance_embeds=True)
-    Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(path)
+    Flux2Pipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -168,20 +314,52 @@ def sana(path):
 
     tok = qwen_tokenizer(max_length=2048)  # the instruction (~1000 bytes) + the prompt
     torch.manual_seed(0)
-    text_encoder = Gemma2Model(Gemma2Config(vocab_size=len(tok), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=4096,
-                                            pad_token_id=tok.pad_token_id))  # fmt: skip
+    text_encoder = Gemma2Model(
+        Gemma2Config(
+            vocab_size=len(tok),
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            max_position_embeddings=4096,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     torch.manual_seed(1)
-    transformer = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                         num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
-                                         cross_attention_dim=16, caption_channels=8, sample_size=16, timestep_scale=1.0)  # fmt: skip
-    vae = AutoencoderDC(latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
-                        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
-                        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
-                        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type="conv",
-                        upsample_block_type="interpolate", scaling_factor=0.41407)  # fmt: skip
+    transformer = SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=8,
+        sample_size=16,
+        timestep_scale=1.0,
+    )
+    vae = AutoencoderDC(
+        latent_channels=4,
+        attention_head_dim=2,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_qkv_multiscales=((), (5,)),
+        decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        downsample_block_type="conv",
+        upsample_block_type="interpolate",
+        scaling_factor=0.41407,
+    )
     scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
-    SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler).save_pretrained(path)
+    SanaPipeline(
+        tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -193,20 +371,53 @@ def lumina2(path):
 
     tok = qwen_tokenizer(max_length=256)  # the system prompt (~160 bytes) + the prompt
     torch.manual_seed(0)
-    text_encoder = Gemma2Model(Gemma2Config(vocab_size=len(tok), hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=512,
-                                            pad_token_id=tok.pad_token_id))  # fmt: skip
+    text_encoder = Gemma2Model(
+        Gemma2Config(
+            vocab_size=len(tok),
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            max_position_embeddings=512,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     torch.manual_seed(1)
-    transformer = Lumina2Transformer2DModel(sample_size=4, patch_size=2, in_channels=4, hidden_size=16, num_layers=1,
-                                            num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
-                                            axes_dim_rope=(4, 2, 2), axes_lens=(512, 32, 32), cap_feat_dim=8)  # fmt: skip
+    transformer = Lumina2Transformer2DModel(
+        sample_size=4,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=16,
+        num_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(4, 2, 2),
+        axes_lens=(512, 32, 32),
+        cap_feat_dim=8,
+    )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=64,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
-    Lumina2Pipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok).save_pretrained(path)
+    Lumina2Pipeline(
+        transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -214,27 +425,62 @@ def cogview4(path):
     """CogView4Pipeline: a GLM text encoder with the byte-level tokenizer padding on the left (as GLM-4's), a 4-block
     VAE (factor 8, CogView4's), the released scheduler config (linear time shift, dynamic)."""
     from diffusers import AutoencoderKL, CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from tokenizers.processors import TemplateProcessing
     from transformers import GlmConfig, GlmModel
 
-    from tokenizers.processors import TemplateProcessing
-
-    tok = qwen_tokenizer(max_length=16, padding_side="left")  # as GLM-4's; 16 tokens, truncated: the pipeline's padding is ours
+    tok = qwen_tokenizer(
+        max_length=16, padding_side="left"
+    )  # as GLM-4's; 16 tokens, truncated: the pipeline's padding is ours
     start = tok.convert_tokens_to_ids("<|im_start|>")  # a leading special token, as GLM-4's [gMASK]: "" is not empty
     tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", start)])
     torch.manual_seed(0)
-    text_encoder = GlmModel(GlmConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                                      pad_token_id=tok.pad_token_id))  # fmt: skip
+    text_encoder = GlmModel(
+        GlmConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=512,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     torch.manual_seed(1)
-    transformer = CogView4Transformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-                                             num_attention_heads=2, text_embed_dim=16, time_embed_dim=8, condition_dim=4,
-                                             pos_embed_max_size=16, sample_size=8, rope_axes_dim=(4, 4))  # fmt: skip
+    transformer = CogView4Transformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=16,
+        time_embed_dim=8,
+        condition_dim=4,
+        pos_embed_max_size=16,
+        sample_size=8,
+        rope_axes_dim=(4, 4),
+    )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.0, shift_factor=0.0,
-    )  # fmt: skip
-    scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True,
-                                                time_shift_type="linear")  # fmt: skip
-    CogView4Pipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler).save_pretrained(path)
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=64,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+    )
+    CogView4Pipeline(
+        tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(path)
     return str(path)
