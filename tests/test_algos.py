@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import kill_group, run_script, start_script
+from conftest import kill_group, run_in_process, run_script, start_script
 
 import common
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1".split()
 # Per-algorithm flags that keep a run small: the one place to edit them. One reference run per algorithm with these
 # flags serves the smoke, resume, kill/interrupt and 2-rank tests, so they also keep each optimizer step to one
@@ -187,41 +186,26 @@ def test_two_ranks_match_one_process(algo, reference, shared_prompts, tmp_path):
     assert_same_state(a, b, algo)
 
 
-BAD_REWARD = """
-import sys, torch
-sys.path[:0] = ["{repo}", "{repo}/algos"]
-import rewards, nft, tyro, common
-rewards.REWARDS["bad"] = lambda device: (lambda images, prompts: {bad})
-common.run_main(nft.main, tyro.cli(nft.Args))
-"""
-
-
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ("torch.full((len(prompts),), float('nan'))", "error: reward 'bad' returned NaN or inf for 4 of 4 images"),
-        ("torch.zeros(len(prompts), 2)", "error: reward 'bad' returned (4, 2), expected a tensor of shape (4,)"),
+        (lambda n: torch.full((n,), float("nan")), "error: reward 'bad' returned NaN or inf for 4 of 4 images"),
+        (lambda n: torch.zeros(n, 2), "error: reward 'bad' returned (4, 2), expected a tensor of shape (4,)"),
     ],
+    ids=["nan", "shape"],
 )
-def test_bad_reward_output_stops_with_one_line(bad, message, prompts):
-    script = prompts / "bad_reward.py"
-    script.write_text(BAD_REWARD.format(bad=bad, repo=REPO))
-    out = run_script(
-        [
-            script,
-            *TINY,
-            *FLAGS["nft"].split(),
-            "--test-prompts",
-            prompts / "test.txt",
-            "--reward",
-            "bad",
-            "--output-dir",
-            prompts / "runs",
-        ],
-        check=False,
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1] == message
+def test_bad_reward_output_stops_with_one_line(bad, message, prompts, monkeypatch, capsys):
+    """In-process, as `python algos/nft.py` runs (`common.run_main` on tyro's Args), with a registered reward that
+    returns `bad(len(prompts))`."""
+    import rewards
+    from algos import nft
+
+    monkeypatch.setitem(rewards.REWARDS, "bad", lambda device: lambda images, prompts: bad(len(prompts)))
+    argv = [*TINY, *FLAGS["nft"].split(), "--test-prompts", prompts / "test.txt", "--reward", "bad"]
+    rc = run_in_process(nft, [*argv, "--output-dir", prompts / "runs"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == message
 
 
 def test_nan_loss_skips_then_aborts_with_checkpoint(prompts):
