@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_in_process, run_script
 
 import common
 from algos import grpo
@@ -128,7 +128,7 @@ def test_contiguous_window_is_a_random_run_inside_the_window():
     assert subset == sorted(window[i] for i in torch.randperm(5, generator=torch.Generator().manual_seed(0))[:3])
 
 
-def test_paper_options_run_end_to_end(tmp_path):
+def test_paper_options_run_end_to_end(tmp_path, capsys):
     """GRPO-Guard + official KL + contiguous window + zero-advantage filter on CPS with the surrogate log-prob is
     refused (Guard needs Gaussian log-probs); each combination that is allowed trains one epoch."""
     (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
@@ -142,8 +142,8 @@ def test_paper_options_run_end_to_end(tmp_path):
         "--output-dir",
         tmp_path / "runs",
     ]
-    bad = run_script(["algos/grpo.py", *base, "--grpo-guard", "--log-prob-form", "mse"], check=False)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --grpo-guard")
+    rc = run_in_process(grpo, [*base, "--grpo-guard", "--log-prob-form", "mse"])
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --grpo-guard")
     for flags in (
         "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
         "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3",
