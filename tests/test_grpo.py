@@ -64,7 +64,7 @@ def test_grpo_learns_both_directions(reward, tmp_path):
     flags = (
         f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 "
         "--group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 12 --eval-every 6 --grad-steps-per-epoch 2 "
-        f"--num-sde-steps 4 --output-dir {tmp_path / 'runs'}"
+        f"--num-sde-steps 4 --learning-rate 1.5e-3 --output-dir {tmp_path / 'runs'}"
     )
     run_script(["algos/grpo.py", *flags.split()])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
