@@ -12,6 +12,7 @@ Conventions, used everywhere in cleanflow:
     resolution and PPO clip ranges on exp(logp - logp_old) are small (~1e-4 .. 1e-2).
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -24,6 +25,7 @@ import shlex
 import shutil
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -607,6 +609,18 @@ def cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> 
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
+_DTYPES = weakref.WeakKeyDictionary()  # transformer -> its compute dtype (see `model_dtype`)
+
+
+def model_dtype(transformer) -> torch.dtype:
+    """`transformer.dtype`, read once per model: diffusers' property walks every submodule and parameter on each read
+    (~1 ms on the tiny model with LoRA, ~2% of a sampling step). The base dtype is fixed when `load_pipeline` loads the
+    model, so the first answer stays right; a model cast to another dtype afterwards needs `_DTYPES.pop(transformer)`."""
+    if transformer not in _DTYPES:
+        _DTYPES[transformer] = transformer.dtype
+    return _DTYPES[transformer]
+
+
 def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
     """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
     Returns fp32 like x. `pooled` is the family's second text input (`PromptEncoder`), `neg` the negative prompt's
@@ -772,6 +786,8 @@ def sample(
     use_autocast: bool = False,
     log_prob_form: str = "gaussian",
     keep_means: bool = False,
+    chunk: Optional[int] = None,
+    on_chunk: Optional[Callable] = None,
 ) -> Rollout:
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
@@ -780,10 +796,54 @@ def sample(
     (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
     Latents are in the family's layout (`Model.latent_shape`, e.g. [B, C, h, w]; FLUX.1 packs them inside `velocity`).
     `log_prob_form`: see `sde_step`; `keep_means` also returns every step's mean.
+    `chunk`: sample this many at a time (None: the whole batch at once), calling `on_chunk(latents, slice)` after each
+    (a `Scorer` decodes and scores them while the next chunk is sampled). With one generator per sample the result is
+    the same as one batch: each sample's noise is its own, and the transformer treats the samples of a batch apart.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
     device, batch = embeds.device, embeds.shape[0]
+    if chunk is not None or on_chunk is not None:
+        step = chunk or batch
+        if step < batch and generator is not None and not isinstance(generator, (list, tuple)):
+            raise ValueError("chunked sampling needs one generator per sample (keyed_generators): one stream would be cut")
+        kwargs = dict(
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            dynamics=dynamics,
+            eta=eta,
+            sde_steps=sde_steps,
+            keep_trajectory=keep_trajectory,
+            latent_shape=latent_shape,
+            use_autocast=use_autocast,
+            log_prob_form=log_prob_form,
+            keep_means=keep_means,
+        )
+        parts = []
+        for start in range(0, batch, step):
+            sl = slice(start, start + step)
+            parts.append(
+                sample(
+                    transformer,
+                    scheduler,
+                    embeds[sl],
+                    _rows(pooled, sl),
+                    neg=_rows(neg, sl),
+                    generator=_rows(generator, sl),
+                    noise=_rows(noise, sl),
+                    **kwargs,
+                )
+            )
+            if on_chunk is not None:
+                on_chunk(parts[-1].latents, sl)
+        return Rollout(
+            **{
+                f.name: getattr(parts[0], f.name)
+                if f.name in ("sigmas", "sde_mask")
+                else _cat([getattr(r, f.name) for r in parts])
+                for f in dataclasses.fields(Rollout)
+            }
+        )
     if noise is None:
         shape = latent_shape or (
             transformer.config.in_channels,
@@ -828,6 +888,64 @@ def sample(
         sde_mask,
         torch.stack(means, 1) if keep_means else None,
     )
+
+
+def _rows(value, sl: slice):
+    """Rows `sl` of a batched input: a tensor, a list (of generators), a tuple of them (a negative prompt), or None."""
+    if value is None or isinstance(value, torch.Generator):
+        return value
+    if isinstance(value, tuple):
+        return tuple(_rows(v, sl) for v in value)
+    return value[sl]
+
+
+def _cat(values: list):
+    return None if values[0] is None else torch.cat(values)
+
+
+class Scorer:
+    """Decodes and scores a rollout chunk by chunk, each in a worker thread while `sample` draws the next chunk
+    (ddpo-pytorch's executor): pass it as `sample(..., on_chunk=scorer)`, then `images, scores = scorer.result()`.
+
+    With `overlap=False` the same chunks are decoded and scored in `result()`, one after the other, so both give the same
+    numbers: the worker computes exactly what the main thread would, on the same chunks, in the same order (one worker
+    thread, so the reward is never called twice at once). On the CPU torch and onnxruntime release the GIL, so the
+    worker runs on a second core; on a GPU the two threads queue kernels on the same device. A reward error is raised
+    in the caller, at the next chunk or at `result()`."""
+
+    def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], overlap: bool = True):
+        self.pipe, self.reward_fn, self.prompts = pipe, reward_fn, list(prompts)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward") if overlap else None
+        self.jobs = []  # futures (overlap) or the (latents, slice) chunks still to score
+        self.busy = 0.0  # seconds spent decoding and scoring, wherever it ran (benchmark/speed.py)
+
+    def _score(self, latents: torch.Tensor, sl: slice) -> tuple:
+        t0 = time.perf_counter()
+        with torch.no_grad():  # grad mode is per thread: the worker does not inherit the sampler's no_grad
+            images = decode(self.pipe, latents)
+            scores = self.reward_fn(images, self.prompts[sl])
+        self.busy += time.perf_counter() - t0
+        return images, scores
+
+    def __call__(self, latents: torch.Tensor, sl: slice):
+        if self.pool is None:
+            self.jobs.append((latents, sl))
+            return
+        failed = next((job for job in self.jobs if job.done() and job.exception() is not None), None)
+        if failed is not None:  # stop sampling at once when the reward failed
+            self.pool.shutdown(cancel_futures=True)
+            raise failed.exception()
+        self.jobs.append(self.pool.submit(self._score, latents, sl))
+
+    def result(self) -> tuple:
+        """(images [B, 3, H, W] in [0, 1], {reward name: [B]}) of every chunk, in sample order."""
+        try:
+            parts = [job.result() if self.pool is not None else self._score(*job) for job in self.jobs]
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
+        images = torch.cat([p[0] for p in parts])
+        return images, {name: torch.cat([p[1][name] for p in parts]) for name in parts[0][1]}
 
 
 @torch.no_grad()
@@ -1055,6 +1173,8 @@ SAFE_OVERRIDES = (
     "save_every",
     "keep_checkpoints",
     "gradient_checkpointing",
+    "overlap_reward",
+    "compile",
     "track",
     "wandb_project_name",
     "wandb_entity",

@@ -65,6 +65,9 @@ class Args:
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
     gradient_checkpointing: bool = False
     """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    overlap_reward: bool = True
+    """decode and score each sampled micro-batch in a worker thread while the next one is sampled; off: after sampling
+    (same chunks, same numbers)"""
     offload_text_encoders: bool = False
     """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -389,6 +392,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
+            scorer = common.Scorer(pipe, rewards, prompts, args.overlap_reward)  # decode + reward, chunk by chunk
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
@@ -414,14 +418,16 @@ def main(args: Args):
                 use_autocast=args.mixed_precision,
                 log_prob_form=args.log_prob_form,
                 keep_means=args.grpo_guard,
+                chunk=args.micro_batch,
+                on_chunk=scorer,
             )
-            images = common.decode(pipe, rollout.latents)
             sigmas = rollout.sigmas
 
         # ---- reward ----
         with timer("reward"):
-            # each rank scores its own images; advantages are computed over the whole epoch's batch
-            scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
+            # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
+            images, local_scores = scorer.result()
+            scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
                 scores,
                 rewards.weights,

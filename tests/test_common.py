@@ -578,3 +578,77 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def toy_reward(images, prompts):
+    """A reward that depends on every pixel and on the prompt, so a misplaced image or prompt changes it."""
+    return {"toy": images.mean((1, 2, 3)) + torch.tensor([len(p) for p in prompts], dtype=torch.float32)}
+
+
+def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
+    """sample(chunk=, on_chunk=Scorer) returns the rollout of one batch (to float rounding: CPU kernels may pick another
+    blocking for another batch size; on tiny-shapes 4 x 16 vs 64 is bit-identical), and the Scorer's images and rewards
+    are those of the rollout's latents: computed in a worker thread (overlap) or afterwards, the numbers are the same."""
+    prompts = PROMPTS + ["two circles"]
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(prompts)
+    kw = dict(
+        neg=enc.negative(len(prompts)),
+        num_steps=4,
+        guidance_scale=2.0,
+        dynamics="Flow-SDE",
+        eta=0.7,
+        latent_shape=pipe.latent_shape,
+        keep_trajectory=True,
+        keep_means=True,
+    )
+
+    def gens():
+        return common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
+
+    full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), **kw)
+    results = []
+    for overlap in (True, False):
+        scorer = common.Scorer(pipe, toy_reward, prompts, overlap)
+        chunked = common.sample(
+            pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), chunk=3, on_chunk=scorer, **kw
+        )
+        for name in ("latents", "sigmas", "trajectory", "log_probs", "sde_mask", "means"):
+            torch.testing.assert_close(getattr(full, name), getattr(chunked, name), rtol=1e-5, atol=1e-5, msg=name)
+        results.append((chunked, *scorer.result()))
+        assert scorer.busy > 0
+    (roll_a, img_a, score_a), (roll_b, img_b, score_b) = results
+    assert torch.equal(roll_a.log_probs, roll_b.log_probs) and torch.equal(roll_a.trajectory, roll_b.trajectory)
+    assert torch.equal(img_a, img_b) and torch.equal(score_a["toy"], score_b["toy"])
+    parts = [common.decode(pipe, roll_a.latents[:3]), common.decode(pipe, roll_a.latents[3:])]
+    assert torch.equal(img_a, torch.cat(parts))
+    assert torch.equal(score_a["toy"], toy_reward(img_a, prompts)["toy"])
+    with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
+        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=torch.Generator(), chunk=2, **kw)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
+    """A reward that fails on the first chunk: the same exception is raised in the sampling thread (at the next chunk
+    or at result()), so run_main still reports a UserError as one line; the worker thread is shut down."""
+
+    def bad(images, prompts):
+        raise common.UserError("reward 'bad' returned NaN")
+
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    scorer = common.Scorer(pipe, bad, PROMPTS, overlap)
+    with pytest.raises(common.UserError, match="returned NaN"):
+        common.sample(
+            pipe.transformer,
+            pipe.scheduler,
+            embeds,
+            pooled,
+            num_steps=2,
+            generator=common.keyed_generators(0, 0, "rollout", indices=range(3)),
+            latent_shape=pipe.latent_shape,
+            chunk=1,
+            on_chunk=scorer,
+        )
+        scorer.result()
+    assert scorer.pool is None or scorer.pool._shutdown
