@@ -37,7 +37,7 @@ class Args:
     resume: Optional[str] = None
     """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
     flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
-    --gradient-checkpointing and --device may change)"""
+    --gradient-checkpointing, --overlap-reward, --compile and --device may change)"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
@@ -68,6 +68,9 @@ class Args:
     overlap_reward: bool = True
     """decode and score each sampled micro-batch in a worker thread while the next one is sampled; off: after sampling
     (same chunks, same numbers)"""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
+    once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
     offload_text_encoders: bool = False
     """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -269,6 +272,8 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.gradient_checkpointing:
         common.enable_gradient_checkpointing(transformer)
+    if args.compile:
+        common.compile_transformer(transformer)
     encoder = common.PromptEncoder(pipe)
     if args.offload_text_encoders:
         encoder.precompute(train_prompts + test_prompts)

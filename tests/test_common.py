@@ -652,3 +652,46 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
         )
         scorer.result()
     assert scorer.pool is None or scorer.pool._shutdown
+
+
+def test_compiled_blocks_give_the_eager_velocity_loss_and_gradients(random_pipeline_dir):
+    """--compile (regional torch.compile of the transformer blocks): the training forward's velocity, the loss and the
+    LoRA gradients match eager to float rounding; parameter names (what checkpoints store) are unchanged."""
+    reason = common.compile_unavailable("cpu")
+    if reason:
+        pytest.skip(reason)
+    results = []
+    for compiled in (False, True):
+        pipe = common.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+        torch.manual_seed(0)
+        params = common.add_lora(pipe.transformer, 4, 4.0, ("to_q", "to_k", "to_v", "to_out.0"))
+        with torch.no_grad():  # a trained-looking adapter, so the LoRA path carries signal and every gradient is nonzero
+            for p in params:
+                p.normal_(0, 0.05)
+        names = [n for n, p in pipe.transformer.named_parameters() if p.requires_grad]
+        if compiled:
+            assert common.compile_transformer(pipe.transformer) == len(pipe.transformer.transformer_blocks)
+        embeds, pooled = common.PromptEncoder(pipe)(PROMPTS)
+        x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+        v = common.velocity(pipe.transformer, x, torch.tensor([0.9, 0.5, 0.2]), embeds, pooled)
+        loss = (v - x).pow(2).mean()
+        loss.backward()
+        results.append((names, v.detach(), loss.detach(), [p.grad for p in params]))
+    (names_e, v_e, loss_e, grads_e), (names_c, v_c, loss_c, grads_c) = results
+    assert names_e == names_c
+    torch.testing.assert_close(v_c, v_e, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for g_e, g_c in zip(grads_e, grads_c):
+        assert g_e.abs().sum() > 0
+        torch.testing.assert_close(g_c, g_e, rtol=1e-3, atol=1e-5)
+
+
+def test_compile_without_a_compiler_is_one_clear_line(monkeypatch):
+    import torch._inductor.config as inductor
+
+    from algos import nft
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))
+    assert "no C++ compiler" in common.compile_unavailable("cpu")
+    with pytest.raises(common.UserError, match=r"--compile: no C\+\+ compiler .*run without --compile"):
+        common.check_args(nft.Args(compile=True, device="cpu"))
