@@ -858,7 +858,7 @@ def sample(
     `log_prob_form`: see `sde_step`; `keep_means` also returns every step's mean.
     `chunk`: sample this many at a time (None: the whole batch at once), calling `on_chunk(latents, slice)` after each
     (a `Scorer` decodes and scores them while the next chunk is sampled). With one generator per sample the result is
-    the same as one batch: each sample's noise is its own, and the transformer treats the samples of a batch apart.
+    that of one batch (see `Scorer`): each sample's noise is its own.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
@@ -965,17 +965,20 @@ def _cat(values: list):
 
 class Scorer:
     """Decodes and scores a rollout chunk by chunk, each in a worker thread while `sample` draws the next chunk
-    (ddpo-pytorch's executor): pass it as `sample(..., on_chunk=scorer)`, then `images, scores = scorer.result()`.
+    (ddpo-pytorch's executor): `sample(..., chunk=scorer.chunk, on_chunk=scorer)`, then `images, scores = scorer.result()`.
 
-    With `overlap=False` the same chunks are decoded and scored in `result()`, one after the other, so both give the same
-    numbers: the worker computes exactly what the main thread would, on the same chunks, in the same order (one worker
-    thread, so the reward is never called twice at once). On the CPU torch and onnxruntime release the GIL, so the
-    worker runs on a second core; on a GPU the two threads queue kernels on the same device. A reward error is raised
-    in the caller, at the next chunk or at `result()`."""
+    `chunk`: samples per chunk (the scripts' micro-batch). None: no overlap, the path without a Scorer: `sample` draws the
+    whole batch at once and `result()` decodes and scores it (on a GPU a small micro-batch may sample slower in chunks
+    than the overlap saves). Either way the numbers are those of one batch: each sample's noise is keyed to it, and the
+    transformer, VAE and rewards treat the samples of a batch apart (to float rounding in the kernels' choice of blocking
+    for a batch size; on tiny-shapes 4 x 16 and 64 samples are bit-identical). One worker thread, so the reward is never
+    called twice at once, in sample order. On the CPU torch and onnxruntime release the GIL, so the worker uses a second
+    core; on a GPU both threads queue kernels on the device. A reward error is raised in the caller, at the next chunk or
+    at `result()`."""
 
-    def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], overlap: bool = True):
-        self.pipe, self.reward_fn, self.prompts = pipe, reward_fn, list(prompts)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward") if overlap else None
+    def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], chunk: Optional[int] = None):
+        self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
+        self.pool = None if chunk is None else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self.jobs = []  # futures (overlap) or the (latents, slice) chunks still to score
         self.busy = 0.0  # seconds spent decoding and scoring, wherever it ran (benchmark/speed.py)
 
@@ -1004,6 +1007,8 @@ class Scorer:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(cancel_futures=True)
+        if len(parts) == 1:
+            return parts[0]
         images = torch.cat([p[0] for p in parts])
         return images, {name: torch.cat([p[1][name] for p in parts]) for name in parts[0][1]}
 

@@ -66,8 +66,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
     overlap_reward: bool = True
-    """decode and score each sampled micro-batch in a worker thread while the next one is sampled; off: after sampling
-    (same chunks, same numbers)"""
+    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: sample the
+    whole local batch at once, then score it (same numbers)"""
     compile: bool = False
     """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
     once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
@@ -385,7 +385,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
-            scorer = common.Scorer(pipe, rewards, prompts, args.overlap_reward)  # decode + reward, chunk by chunk
+            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
@@ -400,7 +400,7 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
-                    chunk=args.micro_batch,
+                    chunk=scorer.chunk,
                     on_chunk=scorer,
                 )
             x0 = rollout.latents  # only the clean samples are kept: training re-noises them

@@ -66,8 +66,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
     overlap_reward: bool = True
-    """decode and score each sampled micro-batch in a worker thread while the next one is sampled; off: after sampling
-    (same chunks, same numbers)"""
+    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: sample the
+    whole local batch at once, then score it (same numbers)"""
     compile: bool = False
     """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
     once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
@@ -397,7 +397,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
-            scorer = common.Scorer(pipe, rewards, prompts, args.overlap_reward)  # decode + reward, chunk by chunk
+            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
@@ -423,7 +423,7 @@ def main(args: Args):
                 use_autocast=args.mixed_precision,
                 log_prob_form=args.log_prob_form,
                 keep_means=args.grpo_guard,
-                chunk=args.micro_batch,
+                chunk=scorer.chunk,
                 on_chunk=scorer,
             )
             sigmas = rollout.sigmas

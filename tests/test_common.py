@@ -588,7 +588,7 @@ def toy_reward(images, prompts):
 def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
     """sample(chunk=, on_chunk=Scorer) returns the rollout of one batch (to float rounding: CPU kernels may pick another
     blocking for another batch size; on tiny-shapes 4 x 16 vs 64 is bit-identical), and the Scorer's images and rewards
-    are those of the rollout's latents: computed in a worker thread (overlap) or afterwards, the numbers are the same."""
+    are those of the rollout's latents, whether scored in a worker thread per chunk or after sampling."""
     prompts = PROMPTS + ["two circles"]
     enc = common.PromptEncoder(pipe)
     embeds, pooled = enc(prompts)
@@ -607,22 +607,20 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
         return common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
 
     full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), **kw)
-    results = []
-    for overlap in (True, False):
-        scorer = common.Scorer(pipe, toy_reward, prompts, overlap)
-        chunked = common.sample(
-            pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), chunk=3, on_chunk=scorer, **kw
+    for chunk in (3, None):  # the worker thread on chunks of 3 (then 1); the whole batch after sampling
+        scorer = common.Scorer(pipe, toy_reward, prompts, chunk)
+        out = common.sample(
+            pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), chunk=chunk, on_chunk=scorer, **kw
         )
         for name in ("latents", "sigmas", "trajectory", "log_probs", "sde_mask", "means"):
-            torch.testing.assert_close(getattr(full, name), getattr(chunked, name), rtol=1e-5, atol=1e-5, msg=name)
-        results.append((chunked, *scorer.result()))
-        assert scorer.busy > 0
-    (roll_a, img_a, score_a), (roll_b, img_b, score_b) = results
-    assert torch.equal(roll_a.log_probs, roll_b.log_probs) and torch.equal(roll_a.trajectory, roll_b.trajectory)
-    assert torch.equal(img_a, img_b) and torch.equal(score_a["toy"], score_b["toy"])
-    parts = [common.decode(pipe, roll_a.latents[:3]), common.decode(pipe, roll_a.latents[3:])]
-    assert torch.equal(img_a, torch.cat(parts))
-    assert torch.equal(score_a["toy"], toy_reward(img_a, prompts)["toy"])
+            torch.testing.assert_close(getattr(out, name), getattr(full, name), rtol=1e-5, atol=1e-5, msg=name)
+        images, scores = scorer.result()
+        parts = out.latents.split(chunk or len(prompts))
+        assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in parts])) and scorer.busy > 0
+        assert torch.equal(
+            scores["toy"], torch.cat([toy_reward(i, p)["toy"] for i, p in zip(images.split(3), [prompts[:3], prompts[3:]])])
+        )
+    assert torch.equal(out.latents, full.latents)  # chunk None is the path without a Scorer
     with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
         common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=torch.Generator(), chunk=2, **kw)
 
@@ -637,7 +635,7 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
 
     enc = common.PromptEncoder(pipe)
     embeds, pooled = enc(PROMPTS)
-    scorer = common.Scorer(pipe, bad, PROMPTS, overlap)
+    scorer = common.Scorer(pipe, bad, PROMPTS, 1 if overlap else None)
     with pytest.raises(common.UserError, match="returned NaN"):
         common.sample(
             pipe.transformer,
@@ -647,7 +645,7 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
             num_steps=2,
             generator=common.keyed_generators(0, 0, "rollout", indices=range(3)),
             latent_shape=pipe.latent_shape,
-            chunk=1,
+            chunk=scorer.chunk,
             on_chunk=scorer,
         )
         scorer.result()
