@@ -979,31 +979,49 @@ class Scorer:
     def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], chunk: Optional[int] = None):
         self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
         self.pool = None if chunk is None else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
-        self.jobs = []  # futures (overlap) or the (latents, slice) chunks still to score
-        self.busy = 0.0  # seconds spent decoding and scoring, wherever it ran (benchmark/speed.py)
+        self.chunks, self.jobs = [], []  # the (latents, slice) of each chunk; with overlap, its future
+        self.seconds = []  # time of each decode and reward call, in either thread (list.append is atomic)
 
-    def _score(self, latents: torch.Tensor, sl: slice) -> tuple:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         with torch.no_grad():  # grad mode is per thread: the worker does not inherit the sampler's no_grad
             images = decode(self.pipe, latents)
+        self.seconds.append(time.perf_counter() - t0)
+        return images
+
+    def _reward(self, images: torch.Tensor, sl: slice) -> tuple:
+        t0 = time.perf_counter()
+        with torch.no_grad():
             scores = self.reward_fn(images, self.prompts[sl])
-        self.busy += time.perf_counter() - t0
+        self.seconds.append(time.perf_counter() - t0)
         return images, scores
 
+    def _score(self, latents: torch.Tensor, sl: slice) -> tuple:
+        return self._reward(self._decode(latents), sl)
+
     def __call__(self, latents: torch.Tensor, sl: slice):
+        self.chunks.append((latents, sl))
         if self.pool is None:
-            self.jobs.append((latents, sl))
             return
         failed = next((job for job in self.jobs if job.done() and job.exception() is not None), None)
         if failed is not None:  # stop sampling at once when the reward failed
             self.pool.shutdown(cancel_futures=True)
             raise failed.exception()
-        self.jobs.append(self.pool.submit(self._score, latents, sl))
+        self.jobs.append(self.pool.submit(self._score, *self.chunks[-1]))
 
     def result(self) -> tuple:
         """(images [B, 3, H, W] in [0, 1], {reward name: [B]}) of every chunk, in sample order."""
         try:
-            parts = [job.result() if self.pool is not None else self._score(*job) for job in self.jobs]
+            if self.pool is None:
+                parts = [self._score(*chunk) for chunk in self.chunks]
+            else:
+                # sampling is over and the main thread would only wait: it decodes the chunks the worker has not
+                # started, and the worker scores them, in order (when the reward is slower than sampling, e.g. OCR)
+                waiting = [k for k, job in enumerate(self.jobs) if job.cancel()]
+                for k in waiting:
+                    latents, sl = self.chunks[k]
+                    self.jobs[k] = self.pool.submit(self._reward, self._decode(latents), sl)
+                parts = [job.result() for job in self.jobs]
         finally:
             if self.pool is not None:
                 self.pool.shutdown(cancel_futures=True)

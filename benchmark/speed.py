@@ -2,7 +2,8 @@
 
     python benchmark/speed.py --base 1c80a63                     # base commit vs --no-overlap-reward vs default
     python benchmark/speed.py --variants eager compile --epochs 4 --warmup 2
-    python benchmark/speed.py --variants mb16 mb32 --tasks shapes
+    python benchmark/speed.py --variants sequential mb32-sequential overlap mb32 --tasks shapes
+    python benchmark/speed.py --tasks --components --throughput --base 1c80a63
 
 Each run is a separate process of algos/<algo>.py (1 thread, its default batch: 64 images per epoch) for --epochs
 epochs; the first --warmup epochs are dropped and the scripts' own `time/sampling`, `time/reward`, `time/training`
@@ -11,7 +12,8 @@ the epoch waits for the reward: with the overlap, only what sampling did not hid
 ...), so that load from other jobs hits all of them alike, and each ratio is taken between runs of the same round:
 the tables give the median ratio over the rounds and its range. os.getloadavg() is recorded around every run.
 `--base <rev>` runs a `git archive` copy of that commit as the variant "base". `--throughput` also runs
-benchmark/throughput.py (our sampler vs StableDiffusion3Pipeline.__call__) in this checkout and in the base.
+benchmark/throughput.py (our sampler vs StableDiffusion3Pipeline.__call__) in this checkout and in the base;
+`--components` times a `transformer.dtype` read and an eval forward with the LoRA merged.
 """
 
 import argparse
@@ -41,8 +43,8 @@ VARIANTS = {
     "overlap": ("here", []),
     "eager": ("here", []),
     "compile": ("here", ["--compile"]),
-    "mb16": ("here", ["--micro-batch", "16"]),
-    "mb32": ("here", ["--micro-batch", "32"]),
+    "mb32": ("here", ["--micro-batch", "32"]),  # also samples in chunks of 32: 2 chunks, less overlap
+    "mb32-sequential": ("here", ["--micro-batch", "32", "--no-overlap-reward"]),  # vs "sequential": training alone differs
 }
 SECTIONS = ("sampling", "reward", "training")
 COMPILED = re.compile(r"--compile: the first transformer call compiled (\d+) blocks in ([\d.]+) s")
@@ -120,16 +122,74 @@ def table(task: str, algo: str, names: list, rounds: list) -> str:
     return "\n".join(lines)
 
 
+def components(repeats: int) -> str:
+    """Two small measurements in this process (1 thread): the cost of reading `transformer.dtype` (what
+    `common.model_dtype` caches), and an evaluation forward (batch 32, LoRA r16 on the 8 SD3 projections, nonzero)
+    with the adapter applied per layer vs merged into the base weights (merge and unmerge included)."""
+    import timeit
+
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    sys.path.insert(0, str(REPO))
+    import common
+    import models  # noqa: F401  (registers the model families)
+
+    torch.set_num_threads(1)
+    pipe = common.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    transformer = pipe.transformer
+    torch.manual_seed(0)
+    targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    with torch.no_grad():
+        for p in common.add_lora(transformer, 16, 32.0, targets):
+            p.normal_(0, 0.02)
+    dtype_ms = timeit.timeit(lambda: transformer.dtype, number=200) / 200 * 1e3
+    prompts = (common.load_prompts(common.TEST_PROMPTS) * 2)[:32]
+    embeds, pooled = common.PromptEncoder(pipe)(prompts)
+    x = torch.randn(32, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma = torch.full((32,), 0.6)
+    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+    @torch.no_grad()
+    def forward():
+        return common.velocity(transformer, x, sigma, embeds, pooled)
+
+    def merged():
+        for m in layers:
+            m.merge()
+        try:
+            return forward()
+        finally:
+            for m in layers:
+                m.unmerge()
+
+    diff = (forward() - merged()).abs().max().item()
+    t_lora, t_merged = [], []
+    for _ in range(repeats):
+        for fn, times in ((forward, t_lora), (merged, t_merged)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(t_lora)
+    return (
+        f"\n**components** (tiny-shapes, 1 thread, median of {repeats}, load {os.getloadavg()[0]:.1f})\n\n"
+        f"- `transformer.dtype`: {dtype_ms:.2f} ms per read ({dtype_ms / 1e3 / step * 100:.1f}% of a batch-32 forward)\n"
+        f"- eval forward, batch 32: LoRA per layer {step * 1e3:.0f} ms, merged {statistics.median(t_merged) * 1e3:.0f} ms "
+        f"(ratio {step / statistics.median(t_merged):.3f}); max |v| difference {diff:.1e}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=None, help="a git revision to run as the variant 'base' (first in the table)")
     ap.add_argument("--variants", nargs="+", default=["base", "sequential", "overlap"], choices=sorted(VARIANTS))
-    ap.add_argument("--tasks", nargs="+", default=["shapes", "ocr"], choices=sorted(TASKS))
+    ap.add_argument("--tasks", nargs="*", default=["shapes", "ocr"], choices=sorted(TASKS), help="none: only the extras")
     ap.add_argument("--algo", default="nft", choices=["awm", "crd", "dgpo", "grpo", "nft"])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="epochs dropped from the mean (prompt cache, compilation)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--throughput", action="store_true", help="also run benchmark/throughput.py here and in the base")
+    ap.add_argument("--components", action="store_true", help="also time transformer.dtype reads and a merged-LoRA forward")
     args = ap.parse_args()
     if "base" in args.variants and not args.base:
         ap.error("the variant 'base' needs --base <git revision>")
@@ -159,6 +219,8 @@ def main():
                         file=sys.stderr,
                     )
             print(table(task, args.algo, args.variants, rounds))
+        if args.components:
+            print(components(args.repeats * 5))
         if args.throughput:
             for where in ("base", "here") if args.base else ("here",):
                 out = subprocess.run(

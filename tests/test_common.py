@@ -616,13 +616,42 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
             torch.testing.assert_close(getattr(out, name), getattr(full, name), rtol=1e-5, atol=1e-5, msg=name)
         images, scores = scorer.result()
         parts = out.latents.split(chunk or len(prompts))
-        assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in parts])) and scorer.busy > 0
+        assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in parts])) and sum(scorer.seconds) > 0
         assert torch.equal(
             scores["toy"], torch.cat([toy_reward(i, p)["toy"] for i, p in zip(images.split(3), [prompts[:3], prompts[3:]])])
         )
     assert torch.equal(out.latents, full.latents)  # chunk None is the path without a Scorer
     with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
         common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=torch.Generator(), chunk=2, **kw)
+
+
+def test_a_slow_reward_is_helped_by_the_main_thread_in_order(pipe, monkeypatch):
+    """When the reward is slower than sampling, result() decodes the chunks the worker has not started in the main
+    thread; the worker still calls the reward once at a time, in sample order, and the numbers do not change."""
+    import threading
+    import time
+
+    prompts = PROMPTS + ["two circles"]
+    calls = []
+
+    def slow(images, prompts_):
+        calls.append((prompts_[0], threading.current_thread().name))
+        time.sleep(0.2)
+        return toy_reward(images, prompts_)
+
+    embeds, pooled = common.PromptEncoder(pipe)(prompts)
+    decoded_in, decode = [], common.decode
+    monkeypatch.setattr(common, "decode", lambda *a: decoded_in.append(threading.current_thread().name) or decode(*a))
+    gens = common.keyed_generators(0, 0, "rollout", indices=range(4))
+    scorer = common.Scorer(pipe, slow, prompts, 1)
+    rollout = common.sample(
+        pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, generator=gens, chunk=1, on_chunk=scorer
+    )
+    images, scores = scorer.result()
+    assert "MainThread" in decoded_in and decoded_in[0].startswith("reward")  # the first chunk: in the worker
+    assert [c[0] for c in calls] == prompts and all(c[1].startswith("reward") for c in calls)
+    assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in rollout.latents.split(1)]))
+    assert torch.equal(scores["toy"], toy_reward(images, prompts)["toy"])
 
 
 @pytest.mark.parametrize("overlap", [True, False])
