@@ -24,6 +24,7 @@ import random
 import shlex
 import shutil
 import sys
+import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass, is_dataclass
@@ -980,11 +981,13 @@ class Scorer:
         self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
         self.pool = None if chunk is None else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self.chunks, self.jobs = [], []  # the (latents, slice) of each chunk; with overlap, its future
+        self.vae_lock = threading.Lock()  # the main thread may decode beside the worker once sampling is over (result)
         self.seconds = []  # time of each decode and reward call, in either thread (list.append is atomic)
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        with torch.no_grad():  # grad mode is per thread: the worker does not inherit the sampler's no_grad
+        # one decode at a time: some VAEs keep state across a call (Wan's causal feature cache); grad mode is per thread
+        with self.vae_lock, torch.no_grad():
             images = decode(self.pipe, latents)
         self.seconds.append(time.perf_counter() - t0)
         return images
