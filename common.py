@@ -12,6 +12,7 @@ Conventions, used everywhere in cleanflow:
     resolution and PPO clip ranges on exp(logp - logp_old) are small (~1e-4 .. 1e-2).
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -23,7 +24,9 @@ import random
 import shlex
 import shutil
 import sys
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -449,6 +452,66 @@ def enable_gradient_checkpointing(transformer):
     transformer.enable_gradient_checkpointing()
 
 
+def compile_unavailable(device) -> Optional[str]:
+    """Why `torch.compile` cannot run on `device` here, or None: inductor's CPU code is C++ built by the machine's
+    compiler at first use, and its GPU code needs triton."""
+    if torch.device(device).type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # inductor raises RuntimeError when no C++ compiler is on PATH (or $CXX is wrong)
+            return f"no C++ compiler for inductor's CPU code ({short(str(e).strip(), 120)})"
+    elif torch.device(device).type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "inductor's GPU code needs triton (pip install triton)"
+    return None
+
+
+def compile_transformer(transformer) -> int:
+    """Regional compilation (diffusers' advice): `torch.compile` each repeated transformer block rather than the whole
+    model, so one block's graph is compiled once and reused by its siblings, and the code between blocks stays eager.
+    Uses diffusers' `compile_repeated_blocks` where the model class names its blocks (`_repeated_blocks`; SD3's list is
+    empty in diffusers 0.42), else compiles each module of the transformer's `*blocks` lists. In place: parameter names,
+    LoRA, checkpoints and the export are unchanged. Compilation happens at the first call of each new input shape or
+    mode (sampling, training with grad, the reference model, eval's batch); the first call's time is printed once.
+    Returns the number of blocks compiled."""
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks()
+        blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._repeated_blocks]
+    else:
+        blocks = [
+            block
+            for name, child in transformer.named_children()
+            if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
+            for block in child
+        ]
+        for block in blocks:
+            block.compile()
+    if not blocks:
+        raise UserError(f"--compile: {type(transformer).__name__} has no transformer block lists to compile")
+    start = {}
+
+    def before(module, args, kwargs):
+        start["t"] = time.perf_counter()
+
+    def after(module, args, kwargs, output):
+        from tqdm import tqdm
+
+        seconds = time.perf_counter() - start["t"]
+        tqdm.write(f"--compile: the first transformer call compiled {len(blocks)} blocks in {seconds:.1f} s")
+        for hook in hooks:
+            hook.remove()
+
+    hooks = [
+        transformer.register_forward_pre_hook(before, with_kwargs=True),
+        transformer.register_forward_hook(after, with_kwargs=True),
+    ]
+    return len(blocks)
+
+
 @contextlib.contextmanager
 def reference_model(transformer):
     """The frozen base model: the same transformer with its LoRA adapter disabled."""
@@ -605,6 +668,18 @@ def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     """Classifier-free guidance: v_uncond + g (v_cond - v_uncond)."""
     return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+_DTYPES = weakref.WeakKeyDictionary()  # transformer -> its compute dtype (see `model_dtype`)
+
+
+def model_dtype(transformer) -> torch.dtype:
+    """`transformer.dtype`, read once per model: diffusers' property walks every submodule and parameter on each read
+    (~1 ms on the tiny model with LoRA, ~2% of a sampling step). The base dtype is fixed when `load_pipeline` loads the
+    model, so the first answer stays right; a model cast to another dtype afterwards needs `_DTYPES.pop(transformer)`."""
+    if transformer not in _DTYPES:
+        _DTYPES[transformer] = transformer.dtype
+    return _DTYPES[transformer]
 
 
 def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
@@ -772,6 +847,8 @@ def sample(
     use_autocast: bool = False,
     log_prob_form: str = "gaussian",
     keep_means: bool = False,
+    chunk: Optional[int] = None,
+    on_chunk: Optional[Callable] = None,
 ) -> Rollout:
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
@@ -780,10 +857,54 @@ def sample(
     (one per sample, see `keyed_generators`) makes each sample's noise independent of the rest of the batch.
     Latents are in the family's layout (`Model.latent_shape`, e.g. [B, C, h, w]; FLUX.1 packs them inside `velocity`).
     `log_prob_form`: see `sde_step`; `keep_means` also returns every step's mean.
+    `chunk`: sample this many at a time (None: the whole batch at once), calling `on_chunk(latents, slice)` after each
+    (a `Scorer` decodes and scores them while the next chunk is sampled). With one generator per sample the result is
+    that of one batch (see `Scorer`): each sample's noise is its own.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
     device, batch = embeds.device, embeds.shape[0]
+    if chunk is not None or on_chunk is not None:
+        step = chunk or batch
+        if step < batch and generator is not None and not isinstance(generator, (list, tuple)):
+            raise ValueError("chunked sampling needs one generator per sample (keyed_generators): one stream would be cut")
+        kwargs = dict(
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            dynamics=dynamics,
+            eta=eta,
+            sde_steps=sde_steps,
+            keep_trajectory=keep_trajectory,
+            latent_shape=latent_shape,
+            use_autocast=use_autocast,
+            log_prob_form=log_prob_form,
+            keep_means=keep_means,
+        )
+        parts = []
+        for start in range(0, batch, step):
+            sl = slice(start, start + step)
+            parts.append(
+                sample(
+                    transformer,
+                    scheduler,
+                    embeds[sl],
+                    _rows(pooled, sl),
+                    neg=_rows(neg, sl),
+                    generator=_rows(generator, sl),
+                    noise=_rows(noise, sl),
+                    **kwargs,
+                )
+            )
+            if on_chunk is not None:
+                on_chunk(parts[-1].latents, sl)
+        return Rollout(
+            **{
+                f.name: getattr(parts[0], f.name)
+                if f.name in ("sigmas", "sde_mask")
+                else _cat([getattr(r, f.name) for r in parts])
+                for f in dataclasses.fields(Rollout)
+            }
+        )
     if noise is None:
         shape = latent_shape or (
             transformer.config.in_channels,
@@ -828,6 +949,89 @@ def sample(
         sde_mask,
         torch.stack(means, 1) if keep_means else None,
     )
+
+
+def _rows(value, sl: slice):
+    """Rows `sl` of a batched input: a tensor, a list (of generators), a tuple of them (a negative prompt), or None."""
+    if value is None or isinstance(value, torch.Generator):
+        return value
+    if isinstance(value, tuple):
+        return tuple(_rows(v, sl) for v in value)
+    return value[sl]
+
+
+def _cat(values: list):
+    return None if values[0] is None else torch.cat(values)
+
+
+class Scorer:
+    """Decodes and scores a rollout chunk by chunk, each in a worker thread while `sample` draws the next chunk
+    (ddpo-pytorch's executor): `sample(..., chunk=scorer.chunk, on_chunk=scorer)`, then `images, scores = scorer.result()`.
+
+    `chunk`: samples per chunk (the scripts' micro-batch). None: no overlap, the path without a Scorer: `sample` draws the
+    whole batch at once and `result()` decodes and scores it (on a GPU a small micro-batch may sample slower in chunks
+    than the overlap saves). Either way the numbers are those of one batch: each sample's noise is keyed to it, and the
+    transformer, VAE and rewards treat the samples of a batch apart (to float rounding in the kernels' choice of blocking
+    for a batch size; on tiny-shapes 4 x 16 and 64 samples are bit-identical). One worker thread, so the reward is never
+    called twice at once, in sample order. On the CPU torch and onnxruntime release the GIL, so the worker uses a second
+    core; on a GPU both threads queue kernels on the device. A reward error is raised in the caller, at the next chunk or
+    at `result()`."""
+
+    def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], chunk: Optional[int] = None):
+        self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
+        self.pool = None if chunk is None else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        self.chunks, self.jobs = [], []  # the (latents, slice) of each chunk; with overlap, its future
+        self.vae_lock = threading.Lock()  # the main thread may decode beside the worker once sampling is over (result)
+        self.seconds = []  # time of each decode and reward call, in either thread (list.append is atomic)
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        # one decode at a time: some VAEs keep state across a call (Wan's causal feature cache); grad mode is per thread
+        with self.vae_lock, torch.no_grad():
+            images = decode(self.pipe, latents)
+        self.seconds.append(time.perf_counter() - t0)
+        return images
+
+    def _reward(self, images: torch.Tensor, sl: slice) -> tuple:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            scores = self.reward_fn(images, self.prompts[sl])
+        self.seconds.append(time.perf_counter() - t0)
+        return images, scores
+
+    def _score(self, latents: torch.Tensor, sl: slice) -> tuple:
+        return self._reward(self._decode(latents), sl)
+
+    def __call__(self, latents: torch.Tensor, sl: slice):
+        self.chunks.append((latents, sl))
+        if self.pool is None:
+            return
+        failed = next((job for job in self.jobs if job.done() and job.exception() is not None), None)
+        if failed is not None:  # stop sampling at once when the reward failed
+            self.pool.shutdown(cancel_futures=True)
+            raise failed.exception()
+        self.jobs.append(self.pool.submit(self._score, *self.chunks[-1]))
+
+    def result(self) -> tuple:
+        """(images [B, 3, H, W] in [0, 1], {reward name: [B]}) of every chunk, in sample order."""
+        try:
+            if self.pool is None:
+                parts = [self._score(*chunk) for chunk in self.chunks]
+            else:
+                # sampling is over and the main thread would only wait: it decodes the chunks the worker has not
+                # started, and the worker scores them, in order (when the reward is slower than sampling, e.g. OCR)
+                waiting = [k for k, job in enumerate(self.jobs) if job.cancel()]
+                for k in waiting:
+                    latents, sl = self.chunks[k]
+                    self.jobs[k] = self.pool.submit(self._reward, self._decode(latents), sl)
+                parts = [job.result() for job in self.jobs]
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
+        if len(parts) == 1:
+            return parts[0]
+        images = torch.cat([p[0] for p in parts])
+        return images, {name: torch.cat([p[1][name] for p in parts]) for name in parts[0][1]}
 
 
 @torch.no_grad()
@@ -1055,6 +1259,8 @@ SAFE_OVERRIDES = (
     "save_every",
     "keep_checkpoints",
     "gradient_checkpointing",
+    "overlap_reward",
+    "compile",
     "track",
     "wandb_project_name",
     "wandb_entity",
@@ -1123,6 +1329,9 @@ def check_args(args, fresh: bool = True):
         raise UserError(f"--eval-ema-decay {args.eval_ema_decay}: must be in [0, 1) (0 = off)")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
         raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
+    reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
+    if reason:
+        raise UserError(f"--compile: {reason}; run without --compile (eager)")
     if "lora_targets" in fields and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)

@@ -36,7 +36,7 @@ class Args:
     resume: Optional[str] = None
     """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
     flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
-    --gradient-checkpointing and --device may change)"""
+    --gradient-checkpointing, --overlap-reward, --compile and --device may change)"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
     eval_every: int = 10
@@ -64,6 +64,12 @@ class Args:
     """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
     gradient_checkpointing: bool = False
     """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    overlap_reward: bool = True
+    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: sample the
+    whole local batch at once, then score it (same numbers)"""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
+    once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
     offload_text_encoders: bool = False
     """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -248,6 +254,8 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.gradient_checkpointing:
         common.enable_gradient_checkpointing(transformer)
+    if args.compile:
+        common.compile_transformer(transformer)
     encoder = common.PromptEncoder(pipe)
     if args.offload_text_encoders:
         encoder.precompute(train_prompts + test_prompts)
@@ -356,6 +364,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             embeds, pooled = encoder(prompts)
             neg = encoder.negative(len(prompts))
+            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
@@ -370,14 +379,16 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
+                    chunk=scorer.chunk,
+                    on_chunk=scorer,
                 )
             x0 = rollout.latents
-            images = common.decode(pipe, x0)
 
         # ---- reward ----
         with timer("reward"):
-            # each rank scores its own images; advantages are computed over the whole epoch's batch
-            scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
+            # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
+            images, local_scores = scorer.result()
+            scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
             adv = common.aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx]

@@ -46,7 +46,7 @@ def max_sequence_length(pipe, requested):
 
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
-    dtype, (b, _, h, w) = transformer.dtype, x.shape
+    dtype, (b, _, h, w) = common.model_dtype(transformer), x.shape
     m = mu({}, h * w // transformer.config.patch_size**2, 0)
     t = 1000 / (1 + m * (1 / sigma - 1))  # the unshifted time of sigma
     size = torch.tensor([[h * VAE_FACTOR, w * VAE_FACTOR]], dtype=dtype, device=x.device).expand(b, 2)

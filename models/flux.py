@@ -42,7 +42,7 @@ def image_ids(h: int, w: int, device) -> torch.Tensor:
 
 
 def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
-    dtype = transformer.dtype
+    dtype = common.model_dtype(transformer)
     h, w = x.shape[-2:]
     txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device)
     guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None

@@ -36,7 +36,7 @@ def ids(batch: int, h: int, w: int, text: int, device):
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
     b, c, h, w = x.shape
-    tokens = x.reshape(b, c, h * w).transpose(1, 2).to(transformer.dtype)
+    tokens = x.reshape(b, c, h * w).transpose(1, 2).to(common.model_dtype(transformer))
     guided = transformer.config.guidance_embeds  # FLUX.2-dev: guidance embedding, one pass
 
     def call(e):
@@ -46,7 +46,7 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
             hidden_states=tokens,
             timestep=sigma,
             guidance=guidance,
-            encoder_hidden_states=e.to(transformer.dtype),
+            encoder_hidden_states=e.to(common.model_dtype(transformer)),
             txt_ids=txt_ids,
             img_ids=img_ids,
             return_dict=False,

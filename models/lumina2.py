@@ -28,7 +28,7 @@ def max_sequence_length(pipe, requested):
 
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
-    dtype = transformer.dtype
+    dtype = common.model_dtype(transformer)
     t = 1 - sigma * 1000 / 1000  # as the pipeline computes it from its timesteps (1000 sigma)
 
     def call(e, m):

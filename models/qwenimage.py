@@ -26,7 +26,7 @@ def max_sequence_length(pipe, requested):
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     b, _, h, w = x.shape
-    tokens = pack_latents(x).to(transformer.dtype)
+    tokens = pack_latents(x).to(common.model_dtype(transformer))
     guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
 
     def call(e, m):
@@ -36,7 +36,7 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
             hidden_states=tokens,
             timestep=sigma,
             guidance=guidance,
-            encoder_hidden_states=e.to(transformer.dtype),
+            encoder_hidden_states=e.to(common.model_dtype(transformer)),
             encoder_hidden_states_mask=None if bool(m.all()) else m,
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,

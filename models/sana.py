@@ -43,7 +43,7 @@ def max_sequence_length(pipe, requested):
 
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
-    dtype, cfg = transformer.dtype, guidance_scale > 1.0
+    dtype, cfg = common.model_dtype(transformer), guidance_scale > 1.0
     if cfg:
         assert neg is not None, "CFG needs the negative prompt embeddings"
         x, sigma, embeds, mask = (

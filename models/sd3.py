@@ -23,7 +23,7 @@ def max_sequence_length(pipe, requested):
 
 def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     """With CFG (scale > 1) one 2B-batch call gives v = v_uncond + g (v_cond - v_uncond)."""
-    dtype = transformer.dtype
+    dtype = common.model_dtype(transformer)
     if guidance_scale > 1.0:
         assert neg is not None, "CFG needs the negative prompt embeddings"
         out = transformer(

@@ -29,7 +29,7 @@ def max_sequence_length(pipe, requested):
 
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
-    dtype = transformer.dtype
+    dtype = common.model_dtype(transformer)
 
     def call(e):
         out = transformer(

@@ -28,12 +28,12 @@ def max_sequence_length(pipe, requested):
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     b = x.shape[0]
-    text = [e[m.bool()].to(transformer.dtype) for e, m in zip(embeds, mask)]
+    text = [e[m.bool()].to(common.model_dtype(transformer)) for e, m in zip(embeds, mask)]
     cfg = guidance_scale > 1.0
     if cfg:
         assert neg is not None, "CFG needs the negative prompt embeddings"
-        text += [e[m.bool()].to(transformer.dtype) for e, m in zip(*neg)]
-    latents = list(x.to(transformer.dtype).unsqueeze(2).unbind(0)) * (2 if cfg else 1)
+        text += [e[m.bool()].to(common.model_dtype(transformer)) for e, m in zip(*neg)]
+    latents = list(x.to(common.model_dtype(transformer)).unsqueeze(2).unbind(0)) * (2 if cfg else 1)
     t = (1 - sigma).repeat(2 if cfg else 1)
     out = torch.stack([o.float() for o in transformer(latents, t, text, return_dict=False)[0]]).squeeze(2)
     if cfg:

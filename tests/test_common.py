@@ -578,3 +578,147 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def toy_reward(images, prompts):
+    """A reward that depends on every pixel and on the prompt, so a misplaced image or prompt changes it."""
+    return {"toy": images.mean((1, 2, 3)) + torch.tensor([len(p) for p in prompts], dtype=torch.float32)}
+
+
+def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
+    """sample(chunk=, on_chunk=Scorer) returns the rollout of one batch (to float rounding: CPU kernels may pick another
+    blocking for another batch size; on tiny-shapes 4 x 16 vs 64 is bit-identical), and the Scorer's images and rewards
+    are those of the rollout's latents, whether scored in a worker thread per chunk or after sampling."""
+    prompts = PROMPTS + ["two circles"]
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(prompts)
+    kw = dict(
+        neg=enc.negative(len(prompts)),
+        num_steps=4,
+        guidance_scale=2.0,
+        dynamics="Flow-SDE",
+        eta=0.7,
+        latent_shape=pipe.latent_shape,
+        keep_trajectory=True,
+        keep_means=True,
+    )
+
+    def gens():
+        return common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
+
+    full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), **kw)
+    for chunk in (3, None):  # the worker thread on chunks of 3 (then 1); the whole batch after sampling
+        scorer = common.Scorer(pipe, toy_reward, prompts, chunk)
+        out = common.sample(
+            pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), chunk=chunk, on_chunk=scorer, **kw
+        )
+        for name in ("latents", "sigmas", "trajectory", "log_probs", "sde_mask", "means"):
+            torch.testing.assert_close(getattr(out, name), getattr(full, name), rtol=1e-5, atol=1e-5, msg=name)
+        images, scores = scorer.result()
+        parts = out.latents.split(chunk or len(prompts))
+        assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in parts])) and sum(scorer.seconds) > 0
+        assert torch.equal(
+            scores["toy"], torch.cat([toy_reward(i, p)["toy"] for i, p in zip(images.split(3), [prompts[:3], prompts[3:]])])
+        )
+    assert torch.equal(out.latents, full.latents)  # chunk None is the path without a Scorer
+    with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
+        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=torch.Generator(), chunk=2, **kw)
+
+
+def test_a_slow_reward_is_helped_by_the_main_thread_in_order(pipe, monkeypatch):
+    """When the reward is slower than sampling, result() decodes the chunks the worker has not started in the main
+    thread; the worker still calls the reward once at a time, in sample order, and the numbers do not change."""
+    import threading
+    import time
+
+    prompts = PROMPTS + ["two circles"]
+    calls = []
+
+    def slow(images, prompts_):
+        calls.append((prompts_[0], threading.current_thread().name))
+        time.sleep(0.2)
+        return toy_reward(images, prompts_)
+
+    embeds, pooled = common.PromptEncoder(pipe)(prompts)
+    decoded_in, decode = [], common.decode
+    monkeypatch.setattr(common, "decode", lambda *a: decoded_in.append(threading.current_thread().name) or decode(*a))
+    gens = common.keyed_generators(0, 0, "rollout", indices=range(4))
+    scorer = common.Scorer(pipe, slow, prompts, 1)
+    rollout = common.sample(
+        pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, generator=gens, chunk=1, on_chunk=scorer
+    )
+    images, scores = scorer.result()
+    assert "MainThread" in decoded_in and decoded_in[0].startswith("reward")  # the first chunk: in the worker
+    assert [c[0] for c in calls] == prompts and all(c[1].startswith("reward") for c in calls)
+    assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in rollout.latents.split(1)]))
+    assert torch.equal(scores["toy"], toy_reward(images, prompts)["toy"])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
+    """A reward that fails on the first chunk: the same exception is raised in the sampling thread (at the next chunk
+    or at result()), so run_main still reports a UserError as one line; the worker thread is shut down."""
+
+    def bad(images, prompts):
+        raise common.UserError("reward 'bad' returned NaN")
+
+    enc = common.PromptEncoder(pipe)
+    embeds, pooled = enc(PROMPTS)
+    scorer = common.Scorer(pipe, bad, PROMPTS, 1 if overlap else None)
+    with pytest.raises(common.UserError, match="returned NaN"):
+        common.sample(
+            pipe.transformer,
+            pipe.scheduler,
+            embeds,
+            pooled,
+            num_steps=2,
+            generator=common.keyed_generators(0, 0, "rollout", indices=range(3)),
+            latent_shape=pipe.latent_shape,
+            chunk=scorer.chunk,
+            on_chunk=scorer,
+        )
+        scorer.result()
+    assert scorer.pool is None or scorer.pool._shutdown
+
+
+def test_compiled_blocks_give_the_eager_velocity_loss_and_gradients(random_pipeline_dir):
+    """--compile (regional torch.compile of the transformer blocks): the training forward's velocity, the loss and the
+    LoRA gradients match eager to float rounding; parameter names (what checkpoints store) are unchanged."""
+    reason = common.compile_unavailable("cpu")
+    if reason:
+        pytest.skip(reason)
+    results = []
+    for compiled in (False, True):
+        pipe = common.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+        torch.manual_seed(0)
+        params = common.add_lora(pipe.transformer, 4, 4.0, ("to_q", "to_k", "to_v", "to_out.0"))
+        with torch.no_grad():  # a trained-looking adapter, so the LoRA path carries signal and every gradient is nonzero
+            for p in params:
+                p.normal_(0, 0.05)
+        names = [n for n, p in pipe.transformer.named_parameters() if p.requires_grad]
+        if compiled:
+            assert common.compile_transformer(pipe.transformer) == len(pipe.transformer.transformer_blocks)
+        embeds, pooled = common.PromptEncoder(pipe)(PROMPTS)
+        x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+        v = common.velocity(pipe.transformer, x, torch.tensor([0.9, 0.5, 0.2]), embeds, pooled)
+        loss = (v - x).pow(2).mean()
+        loss.backward()
+        results.append((names, v.detach(), loss.detach(), [p.grad for p in params]))
+    (names_e, v_e, loss_e, grads_e), (names_c, v_c, loss_c, grads_c) = results
+    assert names_e == names_c
+    torch.testing.assert_close(v_c, v_e, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for g_e, g_c in zip(grads_e, grads_c):
+        assert g_e.abs().sum() > 0
+        torch.testing.assert_close(g_c, g_e, rtol=1e-3, atol=1e-5)
+
+
+def test_compile_without_a_compiler_is_one_clear_line(monkeypatch):
+    import torch._inductor.config as inductor
+
+    from algos import nft
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))
+    assert "no C++ compiler" in common.compile_unavailable("cpu")
+    with pytest.raises(common.UserError, match=r"--compile: no C\+\+ compiler .*run without --compile"):
+        common.check_args(nft.Args(compile=True, device="cpu"))
