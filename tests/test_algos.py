@@ -237,7 +237,7 @@ def test_overlapped_reward_equals_sequential(algo, prompts):
     states, logged = [], []
     for flag in ("--overlap-reward", "--no-overlap-reward"):
         out_dir = prompts / flag.strip("-")
-        run(algo, f"--num-epochs 1 --eval-every 10 {flag} --output-dir {out_dir}", prompts)
+        run(algo, f"--num-epochs 1 --eval-every 10 {flag}", prompts, out_dir)
         (run_dir,) = out_dir.iterdir()
         states.append(common.load_checkpoint(run_dir))
         acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
