@@ -884,7 +884,7 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# prompts, groups, advantages
+# prompts, groups, timesteps
 # ----------------------------------------------------------------------------------------------------------------
 def load_prompts(path: str) -> list:
     """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped."""
@@ -919,70 +919,6 @@ def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, gen
     while len(idx) < num_prompts:
         idx += torch.randperm(len(prompts), generator=generator).tolist()
     return [prompts[i] for i in idx[:num_prompts] for _ in range(group_size)]
-
-
-# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
-# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
-# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
-STD_EPS = 1e-4
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
-) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
-
-    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
-    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
-    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
-    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
-    """
-    r = rewards.double().view(-1, group_size)
-    if leave_one_out:
-        if group_size < 2:
-            raise UserError("leave-one-out advantages need a group size >= 2")
-        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(1, keepdim=True)
-    centred = r - baseline
-    if std == "group":
-        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
-    elif std == "global":
-        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
-    elif std == "none":
-        scale = torch.ones_like(r[:, :1])
-    else:
-        raise UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
-    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
-    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv.view(-1).float()
-
-
-def aggregate_advantages(
-    scores: dict,
-    weights: dict,
-    group_size: int,
-    aggregation: str = "sum",
-    std: str = "group",
-    leave_one_out: bool = False,
-    clip: Optional[float] = None,
-) -> torch.Tensor:
-    """Several rewards -> one advantage per sample.
-
-    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
-    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
-    scale cannot drown the others.
-    """
-    if aggregation == "sum":
-        total = sum(w * scores[k] for k, w in weights.items())
-        return group_advantages(total, group_size, std, leave_one_out, clip)
-    if aggregation == "gdpo":
-        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
-        return combined.clamp(-clip, clip) if clip is not None else combined
-    raise UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 def stratified_indices(num_indices: int, count: int, generator: torch.Generator) -> list:
@@ -1117,6 +1053,11 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
     if fields.get("eval_num_steps") is not None and args.eval_num_steps <= 0:
         raise UserError(f"--eval-num-steps {args.eval_num_steps}: must be > 0")
+    for name, value in fields.items():  # the snapshot/EMA decay schedules, `<snapshot>_decay_*` in the scripts (get_decay)
+        if name.endswith(("_decay_start", "_decay_max")) and not 0 <= value <= 1:
+            raise UserError(f"{_flag(name)} {value}: must be in [0, 1] (0 = hard copy of the weights, 1 = frozen)")
+        if name.endswith(("_decay_ramp", "_decay_flat_steps")) and value < 0:
+            raise UserError(f"{_flag(name)} {value}: must be >= 0")
     if fields.get("eval_guidance_scale") is not None and args.eval_guidance_scale < 1:
         raise UserError(f"--eval-guidance-scale {args.eval_guidance_scale}: must be >= 1 (1 = no CFG)")
     if not 0 <= fields.get("eval_ema_decay", 0) < 1:
@@ -1187,9 +1128,49 @@ def _plain_json(value):
     return json.loads(json.dumps(value, default=str))
 
 
+# Args renamed since checkpoints were first written: the old name -> today's, so that those runs resume with their own
+# settings (the decay schedules became `<snapshot>_decay_start/_flat_steps/_ramp/_max` in every script)
+RENAMED_ARGS = {
+    "decay_flat_steps": "old_decay_flat_steps",  # nft
+    "decay_ramp": "old_decay_ramp",
+    "decay_max": "old_decay_max",
+    "ema_decay": "ema_decay_max",  # awm (its ema_decay_ramp kept its name)
+    "ema_ref_max_decay": "ema_ref_decay_max",  # dgpo
+    "ema_ref_ramp_rate": "ema_ref_decay_ramp",
+}
+
+
+def upgrade_saved_args(saved: dict) -> dict:
+    """A checkpoint's Args under today's field names (`RENAMED_ARGS`), CRD's former decay strings
+    `--old-model-decay` / `--sampling-model-decay` "flat_steps-start-ramp-max" split into their four fields."""
+    saved = {RENAMED_ARGS.get(k, k): v for k, v in saved.items()}
+    for snapshot in ("old", "sampling"):
+        spec = saved.pop(f"{snapshot}_model_decay", None)
+        if spec is None:
+            continue
+        try:
+            flat_steps, start, ramp, max_decay = (float(x) for x in str(spec).split("-"))
+            assert flat_steps == int(flat_steps)
+        except (ValueError, AssertionError):
+            raise UserError(
+                f"the checkpoint's {snapshot}_model_decay {spec!r} is not flat_steps-start-ramp-max; "
+                f"pass its values as --{snapshot}-decay-flat-steps/-start/-ramp/-max"
+            )
+        saved.update(
+            {
+                f"{snapshot}_decay_start": start,
+                f"{snapshot}_decay_flat_steps": int(flat_steps),
+                f"{snapshot}_decay_ramp": ramp,
+                f"{snapshot}_decay_max": max_decay,
+            }
+        )
+    return saved
+
+
 def restore_args(args, saved: dict) -> dict:
     """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
     is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
+    saved = upgrade_saved_args(saved)
     given, overrides = given_flags(args), {}
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):

@@ -142,10 +142,24 @@ class Args:
     """normalise each velocity error by its own detached mean |error| (self-normalised, ~L1 scale)"""
     use_old_for_loss: bool = True
     """implicit reward relative to the "old" snapshot (True) or to the frozen base model (False)"""
-    old_model_decay: str = "0-0.25-0.005-0.999"
-    """old snapshot decay "start_step-start_value-slope-end_value" or a preset name (see DECAY_PRESETS)"""
-    sampling_model_decay: str = "75-0.0-0.0075-0.999"
-    """sampling snapshot decay; 0 = hard copy of the current weights (on-policy), 1 = frozen"""
+    old_decay_start: float = 0.25
+    """decay d of the old snapshot's soft update old <- d old + (1 - d) theta for the first old_decay_flat_steps
+    optimizer steps (0 = hard copy of the current weights, 1 = frozen; paper: 0.25)"""
+    old_decay_flat_steps: int = 0
+    """then d_i = min(old_decay_start + old_decay_ramp (i - flat_steps), old_decay_max) (paper: 0)"""
+    old_decay_ramp: float = 0.005
+    """increase of the old snapshot's d per optimizer step (paper: 0.005)"""
+    old_decay_max: float = 0.999
+    """the final decay of the old snapshot (paper: 0.999)"""
+    sampling_decay_start: float = 0.0
+    """decay d of the sampling snapshot (the rollout policy) for the first sampling_decay_flat_steps optimizer steps
+    (0 = on-policy; paper: 0)"""
+    sampling_decay_flat_steps: int = 75
+    """then d_i = min(sampling_decay_start + sampling_decay_ramp (i - flat_steps), sampling_decay_max) (paper: 75)"""
+    sampling_decay_ramp: float = 0.0075
+    """increase of the sampling snapshot's d per optimizer step (paper: 0.0075)"""
+    sampling_decay_max: float = 0.999
+    """the final decay of the sampling snapshot (paper: 0.999)"""
     kl_beta: float = 1.0
     """KL weight to the CFG-guided base model at reward 1 (velocity-space MSE; paper, SD3.5-M: 0.1). On tiny-shapes the
     KL to the CFG teacher is what keeps the gains honest: at 0.1 the held-out exact score did not rise (docs/crd.md)"""
@@ -163,38 +177,72 @@ class Args:
     """(computed in runtime)"""
 
 
-DECAY_PRESETS = {
-    "none": "0-0-0-0",
-    "slow": "0-0-0.001-0.5",
-    "medium": "75-0-0.0075-0.999",
-    "offline": "0-1-0-1",
-    "fast": "0-0-0.02-0.99",
-    "moderate": "0-0-0.01-0.5",
-}
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: CRD's math as small pure functions
-def snapshot_decay(spec: str, step: int) -> float:
-    """ "start_step-start_value-slope-end_value": d = start_value before start_step, then grows linearly to end_value."""
-    spec = DECAY_PRESETS.get(spec, spec)
-    try:
-        start_step, start_value, slope, end_value = (float(x) for x in spec.split("-"))
-    except ValueError:
-        raise common.UserError(
-            f"bad decay {spec!r}: expected start_step-start_value-slope-end_value or one of {list(DECAY_PRESETS)}"
-        )
-    if step < start_step:
-        return start_value
-    return min(start_value + (step - start_step) * slope, end_value)
-
-
-def update_snapshot(snapshot, params, decay: float):
-    """snapshot <- d snapshot + (1 - d) theta; d <= 0 is a hard copy, d >= 1 leaves it frozen."""
-    with torch.no_grad():
-        for s, p in zip(snapshot, params):
-            s.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
-
-
 def advantage_to_unit(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """A in [-c, c] -> a in [0, 1], with A = 0 -> 0.5 (as DiffusionNFT's r)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
@@ -280,6 +328,21 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x * y).sum().item() / denom if denom > 1e-12 else float("nan")
 
 
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
@@ -294,10 +357,6 @@ def main(args: Args):
             f"micro_batch ({args.micro_batch}) must hold whole groups "
             f"(a multiple of group_size {args.group_size}) for within-prompt centring"
         )
-    (
-        snapshot_decay(args.old_model_decay, 0),
-        snapshot_decay(args.sampling_model_decay, 0),
-    )  # a typo fails now, not after an epoch
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -459,7 +518,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images; advantages are computed over the whole epoch's batch
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )
             a_all = advantage_to_unit(adv, args.adv_clip)
@@ -526,12 +585,20 @@ def main(args: Args):
 
             # ALGO LOGIC: snapshot updates, indexed by the optimizer step (as in the authors' Flow-Factory code)
             diagnostics = {
-                "old_decay": snapshot_decay(args.old_model_decay, step),
-                "sampling_decay": snapshot_decay(args.sampling_model_decay, step),
+                "old_decay": get_decay(
+                    step, args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max
+                ),
+                "sampling_decay": get_decay(
+                    step,
+                    args.sampling_decay_start,
+                    args.sampling_decay_flat_steps,
+                    args.sampling_decay_ramp,
+                    args.sampling_decay_max,
+                ),
                 "kl_weight": kl_w.mean().item(),
             }
-            update_snapshot(old_snapshot, params, diagnostics["old_decay"])
-            update_snapshot(sampling_snapshot, params, diagnostics["sampling_decay"])
+            update_ema(old_snapshot, params, diagnostics["old_decay"])
+            update_ema(sampling_snapshot, params, diagnostics["sampling_decay"])
 
         # ---- logging ----
         times = timer.pop()

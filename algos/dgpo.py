@@ -144,10 +144,15 @@ class Args:
     use_ema_ref: bool = False
     """implicit reward relative to the fast EMA ema_ref instead of the frozen base model (the TDM-R1 variant,
     beta 2000-5000)"""
-    ema_ref_max_decay: float = 0.3
-    """ema_ref decay d = min(max_decay, ramp_rate * step), updated after every optimizer step (paper: 0.3)"""
-    ema_ref_ramp_rate: float = 1e-3
-    """ema_ref decay ramp per optimizer step (paper code: 1e-3, i.e. d reaches 0.3 after 300 steps)"""
+    ema_ref_decay_start: float = 0.0
+    """decay d of ema_ref, updated after every optimizer step as ema_ref <- d ema_ref + (1 - d) theta, for the first
+    ema_ref_decay_flat_steps optimizer steps (0 = a hard copy of theta; paper: 0)"""
+    ema_ref_decay_flat_steps: int = 0
+    """then d_i = min(ema_ref_decay_start + ema_ref_decay_ramp (i - flat_steps), ema_ref_decay_max) (paper: 0)"""
+    ema_ref_decay_ramp: float = 1e-3
+    """increase of d per optimizer step (paper code: 1e-3, i.e. d reaches 0.3 after 300 steps)"""
+    ema_ref_decay_max: float = 0.3
+    """the largest ema_ref decay (paper: 0.3)"""
     switch_ema_ref: int = 200
     """roll out with ema_ref instead of the current weights after this many optimizer steps (paper: 200)"""
     kl_beta: float = 0.5
@@ -160,6 +165,71 @@ class Args:
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
     """(computed in runtime)"""
+
+
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: DGPO's math as small pure functions
@@ -208,16 +278,19 @@ def group_noise(generators: list, group_size: int, shape) -> torch.Tensor:
     return common.randn((len(generators), *shape), generators).repeat_interleave(group_size, 0)
 
 
-def ema_ref_decay(step: int, max_decay: float, ramp_rate: float) -> float:
-    """d = min(max_decay, ramp_rate * step): a hard copy of theta at first, then a fast EMA (paper App. E)."""
-    return min(max_decay, ramp_rate * step)
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
 
 
 def update_ema(ema, params, decay: float):
-    """ema <- d ema + (1 - d) theta."""
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
     with torch.no_grad():
         for e, p in zip(ema, params):
-            e.lerp_(p.detach(), 1 - decay)
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
 
 
 def main(args: Args):
@@ -395,7 +468,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images; advantages are computed over the whole epoch's batch
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
@@ -481,14 +554,30 @@ def main(args: Args):
                                     )
                                 continue
                             # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
-                            update_ema(ema_ref, params, ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate))
+                            update_ema(
+                                ema_ref,
+                                params,
+                                get_decay(
+                                    step,
+                                    args.ema_ref_decay_start,
+                                    args.ema_ref_decay_flat_steps,
+                                    args.ema_ref_decay_ramp,
+                                    args.ema_ref_decay_max,
+                                ),
+                            )
                             bad_steps, step = 0, step + 1
                             eval_ema.update(step)
                             stats["grad_norm"].append(grad_norm)
             ratios = stats.pop("ratio_mean")
             diagnostics = {
                 "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
-                "ema_ref_decay": ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate),
+                "ema_ref_decay": get_decay(
+                    step,
+                    args.ema_ref_decay_start,
+                    args.ema_ref_decay_flat_steps,
+                    args.ema_ref_decay_ramp,
+                    args.ema_ref_decay_max,
+                ),
                 "reward_std_group": rewards.total(scores).view(-1, args.group_size).std(1, unbiased=False).mean().item(),
             }
 

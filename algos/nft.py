@@ -137,12 +137,15 @@ class Args:
     """divide each x0-space squared error by its own detached mean |error| (sec. 3.3); False: plain ||x0_hat - x0||^2"""
     off_policy: bool = True
     """roll out with the EMA "old" policy (paper, official code) instead of the current weights"""
-    decay_flat_steps: int = 0
-    """soft-update decay eta_i = 0 (hard copy) for the first this many optimizer steps i (paper OCR: 75)"""
-    decay_ramp: float = 0.02
-    """then eta_i = min(ramp (i - flat), max) (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
-    decay_max: float = 0.5
-    """eta_max, the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
+    old_decay_start: float = 0.0
+    """decay d of the old policy's soft update theta_old <- d theta_old + (1 - d) theta for the first
+    old_decay_flat_steps optimizer steps (0 = hard copy; paper: 0)"""
+    old_decay_flat_steps: int = 0
+    """then d_i = min(old_decay_start + old_decay_ramp (i - flat_steps), old_decay_max) (paper: 0; OCR: 75)"""
+    old_decay_ramp: float = 0.02
+    """increase of d per optimizer step (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
+    old_decay_max: float = 0.5
+    """the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
     kl_beta: float = 0.0
     """KL weight to the base model, kl_beta ||v - v_ref||^2 (official code: 1e-4; Flow-Factory example: 0)"""
 
@@ -151,27 +154,77 @@ class Args:
     """(computed in runtime)"""
 
 
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
+
+
 # ALGO LOGIC: DiffusionNFT's math as small pure functions.
 # Conventions: sigma = 1 is noise, x_t = (1 - sigma) x0 + sigma eps, the velocity target is u = eps - x0 and the
 # x0 prediction of a velocity v is x0_hat = x_t - sigma v (so x0_hat - x0 = sigma (u - v)).
 def optimality_probability(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (Algorithm 1, line 5)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
-
-
-def old_decay(step: int, flat_steps: int, ramp: float, max_decay: float) -> float:
-    """Soft-update decay eta_i of the old policy: 0 for i < flat_steps, then min(ramp (i - flat_steps), max_decay).
-
-    eta = 0 is fully on-policy (fast, unstable), eta -> 1 nearly offline (stable, slow); the paper ramps from the
-    first to the second (sec. 3.3, Fig. 8; official code `return_decay`)."""
-    return 0.0 if step < flat_steps else min(ramp * (step - flat_steps), max_decay)
-
-
-def update_ema(ema, params, decay: float):
-    """theta_old <- eta theta_old + (1 - eta) theta (Algorithm 1, line 14); eta <= 0 is a hard copy."""
-    with torch.no_grad():
-        for e, p in zip(ema, params):
-            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
 
 
 def x0_regression(x0_hat, x0, adaptive: bool) -> torch.Tensor:
@@ -205,6 +258,21 @@ def nft_loss(v, v_old, x0, xt, sigma, r, beta: float, adaptive: bool):
     return (r * pos + (1 - r) * neg) / beta, pos.detach(), neg.detach()
 
 
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
@@ -216,8 +284,6 @@ def main(args: Args):
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.nft_beta <= 0:
         raise common.UserError(f"nft_beta ({args.nft_beta}) must be > 0: the loss is divided by it")
-    if not 0 <= args.decay_max <= 1 or args.decay_ramp < 0:
-        raise common.UserError(f"decay_max ({args.decay_max}) must lie in [0, 1] and decay_ramp ({args.decay_ramp}) be >= 0")
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -378,7 +444,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images; advantages are computed over the whole epoch's batch
             scores = common.gather_scores(rewards(images, prompts), total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx]
             r_opt = optimality_probability(adv, args.adv_clip).to(device)
@@ -440,10 +506,14 @@ def main(args: Args):
                         eval_ema.update(step)
                         stats["grad_norm"].append(grad_norm)
 
-            # ALGO LOGIC: soft update of the old policy once per epoch, its decay indexed by the optimizer step (official code)
+            # ALGO LOGIC: soft update of the old policy once per epoch (Algorithm 1, line 14), its decay indexed by the
+            # optimizer step: d = 0 is fully on-policy (fast, unstable), d -> 1 nearly offline (stable, slow); the paper
+            # ramps from the first to the second (sec. 3.3, Fig. 8; official code `return_decay`)
             flat_groups = rewards.total(scores).view(-1, args.group_size).std(1) < 1e-8  # r = 0.5 for the whole group
             diagnostics = {
-                "old_decay": old_decay(step, args.decay_flat_steps, args.decay_ramp, args.decay_max),
+                "old_decay": get_decay(
+                    step, args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max
+                ),
                 "zero_std_ratio": flat_groups.float().mean().item(),
                 "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item(),
             }

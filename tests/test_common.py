@@ -196,41 +196,6 @@ def test_sampler_is_deterministic_given_a_generator(pipe):
     assert not torch.allclose(run(5), run(6))
 
 
-def _np_advantages(r, k, std, loo, clip):
-    r = np.asarray(r, dtype=np.float64).reshape(-1, k)
-    out = np.zeros_like(r)
-    for g in range(r.shape[0]):
-        for i in range(k):
-            base = (r[g].sum() - r[g, i]) / (k - 1) if loo else r[g].mean()
-            scale = {"group": r[g].std() + 1e-4, "global": r.std() + 1e-4, "none": 1.0}[std]  # flow_grpo's + 1e-4
-            out[g, i] = 0.0 if r[g].std() < 1e-8 else (r[g, i] - base) / scale
-    return np.clip(out, -clip, clip).ravel() if clip else out.ravel()
-
-
-@pytest.mark.parametrize("std", ["group", "global", "none"])
-@pytest.mark.parametrize("loo", [False, True])
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_group_advantages_match_numpy(std, loo, clip):
-    rng = np.random.default_rng(0)
-    r = rng.normal(size=12)
-    r[4:8] = 0.3  # a zero-variance group -> advantage 0
-    adv = common.group_advantages(torch.tensor(r), 4, std=std, leave_one_out=loo, clip=clip)
-    np.testing.assert_allclose(adv.numpy(), _np_advantages(r, 4, std, loo, clip), atol=1e-6)
-    assert torch.isfinite(adv).all() and (adv[4:8] == 0).all()
-
-
-def test_near_flat_group_gets_near_zero_advantages():
-    """Rewards equal up to float32 rounding must not become +-1 advantages (a 1e-8 floor made them exactly that)."""
-    base = torch.tensor([0.7, 0.7, 0.7, 0.7, 0.1, 0.9, 0.4, 0.6])
-    r = base.clone()
-    r[1] = torch.nextafter(r[1], torch.tensor(1.0))  # one float32 ulp (6e-8) apart
-    adv = common.group_advantages(r, 4)
-    assert adv[:4].abs().max() < 1e-3
-    # a real spread is barely touched by the eps: std 0.29 -> relative change 3e-4
-    rest = base[4:].double()
-    torch.testing.assert_close(adv[4:].double(), (rest - rest.mean()) / (rest.std(unbiased=False) + 1e-4), atol=1e-6, rtol=0)
-
-
 def test_group_prompts_layout_and_determinism():
     prompts = [f"p{i}" for i in range(5)]
     a = common.group_prompts(prompts, 7, 3, torch.Generator().manual_seed(0))
@@ -578,3 +543,21 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_old_checkpoint_args_are_read_under_todays_names():
+    """Checkpoints written before the decay schedules became `<snapshot>_decay_*` fields resume with their settings."""
+    nft = common.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3})
+    assert nft == {"old_decay_flat_steps": 2, "old_decay_ramp": 0.3, "old_decay_max": 0.4, "seed": 3}
+    assert common.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}) == {
+        "ema_decay_max": 0.2,
+        "ema_decay_ramp": 0.01,
+    }
+    dgpo = common.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1})
+    assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1}
+    crd = common.upgrade_saved_args({"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"})
+    assert [crd[f"old_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.25, 0, 0.005, 0.999]
+    assert [crd[f"sampling_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.0, 75, 0.0075, 0.999]
+    assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
+    with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
+        common.upgrade_saved_args({"old_model_decay": "medium"})
