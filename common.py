@@ -1757,9 +1757,18 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: float) -> Optional[float]:
+MAX_BAD_STEPS = 5  # non-finite gradients in a row before `apply_gradients` gives up
+
+
+def apply_gradients(
+    params: Sequence[torch.Tensor], optimizer, max_grad_norm: float, on_fail: Optional[Callable[[], None]] = None
+) -> Optional[float]:
     """Average the accumulated gradients over ranks, clip, step, zero. Returns the pre-clip grad norm, or None
     (and no update) when it is not finite, so that one bad batch cannot poison the weights.
+
+    A skipped update prints a warning; the MAX_BAD_STEPS-th in a row calls `on_fail()` (the scripts save a checkpoint)
+    and stops the run with a UserError. The count lives in the current run's state (`start_run` resets it), so a
+    resumed run starts from 0 as it did before.
 
     One all-reduce per parameter instead of DDP: algorithms swap snapshot/EMA weights into the same module,
     which DDP's bucketing would not expect."""
@@ -1770,7 +1779,18 @@ def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: fl
     if torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item() if torch.isfinite(grad_norm) else None
+    if torch.isfinite(grad_norm):
+        _RUN["bad_steps"] = 0
+        return grad_norm.item()
+    _RUN["bad_steps"] = bad = _RUN.get("bad_steps", 0) + 1
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: non-finite gradient, update skipped ({bad} in a row)")
+    if bad >= MAX_BAD_STEPS:
+        if on_fail is not None:
+            on_fail()
+        raise UserError(f"{MAX_BAD_STEPS} non-finite updates in a row; checkpoint saved, lower the learning rate")
+    return None
 
 
 def trainable_state(params_by_name: dict) -> dict:
@@ -1781,6 +1801,95 @@ def load_trainable_state(params_by_name: dict, state: dict):
     with torch.no_grad():
         for n, p in params_by_name.items():
             p.copy_(state[n])
+
+
+def save_state(
+    run_dir: Path,
+    args,
+    pipe,
+    named: dict,
+    optimizer,
+    snapshots: dict,
+    eval_ema: EvalEMA,
+    prompt_gen: torch.Generator,
+    logger: "Logger",
+    algo_doc: str,
+    *,
+    epoch: int,
+    step: int,
+    images_seen: int,
+):
+    """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
+    the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
+    and the sampler settings -- to checkpoints/last.pt (keeping the newest `--keep-checkpoints`), then the LoRA export
+    that users load (runs/<run>/lora)."""
+    if not logger.enabled:
+        return
+    save_checkpoint(
+        Path(run_dir) / "checkpoints" / "last.pt",
+        {
+            "params": trainable_state(named),
+            "optimizer": optimizer.state_dict(),
+            "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+            "eval_ema": eval_ema.state(),
+            "prompt_gen": prompt_gen.get_state(),
+            "rng": rng_state(),
+            "epoch": epoch,
+            "step": step,
+            "images_seen": images_seen,
+            "args": vars(args),
+            "sampler": {
+                "num_steps": args.num_steps,
+                "guidance_scale": args.guidance_scale,
+                "dynamics": args.dynamics,
+                "eta": args.eta,
+                "scheduler": dict(pipe.scheduler.config),
+            },
+        },
+        keep=args.keep_checkpoints,
+    )
+    export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+
+
+def restore_state(
+    ckpt: Optional[dict], named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator
+) -> tuple:
+    """The inverse of `save_state` for a resumed run (`ckpt` from `start_run`; None: a fresh run, nothing to do).
+    Returns (start_epoch, step, images_seen)."""
+    if ckpt is None:
+        return 0, 0, 0
+    load_trainable_state(named, ckpt["params"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for key, tensors in snapshots.items():
+        for t, saved in zip(tensors, ckpt["snapshots"][key]):
+            t.copy_(saved)
+    eval_ema.load(ckpt.get("eval_ema"))
+    prompt_gen.set_state(ckpt["prompt_gen"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+
+def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int):
+    """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
+    --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
+    at x = images seen. Returns {reward: mean} for the progress bar (None on the other ranks)."""
+    if not logger.enabled:
+        return None
+    with eval_ema.swapped():
+        imgs, scores = evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            rewards.evaluate,
+            num_steps=args.eval_num_steps or args.num_steps,
+            guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
+            seed=0,
+            use_autocast=args.mixed_precision,
+        )
+    logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+    logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)
+    return {k: v.mean().item() for k, v in scores.items()}
 
 
 class Timer:

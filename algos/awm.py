@@ -365,67 +365,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -439,7 +399,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -512,7 +474,8 @@ def main(args: Args):
                 for name in ("policy_loss", "kl_ref", "kl_ema", "fm_loss", "grad_norm", "approx_kl", "clipfrac", "ratio_mean")
             }
             per_step = micro_per_step * args.num_train_timesteps
-            for k, (cond, idx, s, xt, v_target, old_lp, v_ref, v_ema) in enumerate(batches):
+            k = 0
+            for cond, idx, s, xt, v_target, old_lp, v_ref, v_ema in batches:
                 with common.autocast(device, args.mixed_precision):
                     v = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
                 log_prob = pseudo_log_prob(v, v_target, s, args.weighting, args.ghuber_power)
@@ -532,18 +495,14 @@ def main(args: Args):
                     ("ratio_mean", ratio.mean()),
                 ):
                     stats[name].append(value.item())
-                if (k + 1) % per_step == 0:
-                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                    if grad_norm is None:  # non-finite: update skipped
-                        bad_steps += 1
-                        tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
-                        if bad_steps >= 5:
-                            save(epoch)
-                            raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
-                        continue
-                    bad_steps, step = 0, step + 1
-                    eval_ema.update(step)
-                    stats["grad_norm"].append(grad_norm)
+                # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                k += 1
+                if k % per_step == 0:
+                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                    if grad_norm is not None:
+                        step += 1
+                        eval_ema.update(step)
+                        stats["grad_norm"].append(grad_norm)
 
             # ALGO LOGIC: the EMA update, once per epoch, its decay indexed by the optimizer step (official "linear"
             # kl_ema_decay_type): the EMA starts as a copy of the latest weights and slowly gains memory
@@ -556,6 +515,7 @@ def main(args: Args):
             update_ema(ema, params, diagnostics["ema_decay"])
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -583,7 +543,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

@@ -361,67 +361,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -435,7 +395,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -531,7 +493,6 @@ def main(args: Args):
                         )
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
-                        k += 1
                         for name, value in (
                             ("policy_loss", policy_loss),
                             ("kl_ref", kl),
@@ -540,34 +501,26 @@ def main(args: Args):
                             ("dsm", dsm.mean()),
                         ):
                             stats[name].append(value.item())
+                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                        k += 1
                         if k % per_step == 0:
-                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                            if grad_norm is None:  # non-finite: update skipped
-                                bad_steps += 1
-                                tqdm.write(
-                                    f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)"
+                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                            if grad_norm is not None:
+                                step += 1
+                                eval_ema.update(step)
+                                stats["grad_norm"].append(grad_norm)
+                                # ALGO LOGIC: ema_ref follows theta after each optimizer step, d from the steps before this one
+                                update_ema(
+                                    ema_ref,
+                                    params,
+                                    get_decay(
+                                        step - 1,
+                                        args.ema_ref_decay_start,
+                                        args.ema_ref_decay_flat_steps,
+                                        args.ema_ref_decay_ramp,
+                                        args.ema_ref_decay_max,
+                                    ),
                                 )
-                                if bad_steps >= 5:
-                                    save(epoch)
-                                    raise common.UserError(
-                                        "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
-                                    )
-                                continue
-                            # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
-                            update_ema(
-                                ema_ref,
-                                params,
-                                get_decay(
-                                    step,
-                                    args.ema_ref_decay_start,
-                                    args.ema_ref_decay_flat_steps,
-                                    args.ema_ref_decay_ramp,
-                                    args.ema_ref_decay_max,
-                                ),
-                            )
-                            bad_steps, step = 0, step + 1
-                            eval_ema.update(step)
-                            stats["grad_norm"].append(grad_norm)
             ratios = stats.pop("ratio_mean")
             diagnostics = {
                 "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
@@ -582,6 +535,7 @@ def main(args: Args):
             }
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -609,7 +563,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
