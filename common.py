@@ -519,6 +519,26 @@ def autocast(device: torch.device, enabled: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # text, velocity, decode
 # ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cond:
+    """The text conditioning of a batch, as `PromptEncoder.cond` returns it: the prompts' token embeddings and the
+    family's second text input (`pooled`, see `PromptEncoder`), and the same two of the negative prompt for CFG (None
+    when no CFG is needed). `cond[i]` (an index, slice or index tensor) takes those samples of every field."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_embeds: Optional[torch.Tensor] = None
+    neg_pooled: Optional[torch.Tensor] = None
+
+    def __getitem__(self, idx) -> "Cond":
+        return Cond(*(None if t is None else t[idx] for t in (self.embeds, self.pooled, self.neg_embeds, self.neg_pooled)))
+
+    @property
+    def neg(self) -> Optional[tuple]:
+        """The negative prompt's (embeds, pooled), the form the model families take; None without one."""
+        return None if self.neg_embeds is None else (self.neg_embeds, self.neg_pooled)
+
+
 class PromptEncoder:
     """Encodes prompts once and caches (embeds, extra) per prompt; the negative prompt for CFG is "" by default.
 
@@ -559,6 +579,11 @@ class PromptEncoder:
         embeds = pad_stack([self.cache[p][0] for p in prompts]).to(self.device)
         extra = pad_stack([self.cache[p][1] for p in prompts]).to(self.device)
         return embeds, extra
+
+    def cond(self, prompts: Sequence[str], negative: bool = True) -> Cond:
+        """The prompts' `Cond`, with the negative prompt repeated for each (for CFG) unless `negative` is False."""
+        embeds, pooled = self(prompts)
+        return Cond(embeds, pooled, *(self.negative(len(prompts)) if negative else (None, None)))
 
     def negative(self, batch: int):
         if self.family.encode_negative is None:
@@ -607,12 +632,12 @@ def cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> 
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
-def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
+def velocity(transformer, x, sigma, cond: Cond, guidance_scale: float = 1.0) -> torch.Tensor:
     """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
-    Returns fp32 like x. `pooled` is the family's second text input (`PromptEncoder`), `neg` the negative prompt's
-    (embeds, pooled) for CFG (scale > 1); the family's own guidance mode applies (see models/<family>.py)."""
+    Returns fp32 like x. `cond` is the batch's text (`Cond`); its negative prompt is used for CFG (scale > 1); the
+    family's own guidance mode applies (see models/<family>.py)."""
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-    return family_of(transformer).velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale)
+    return family_of(transformer).velocity(transformer, x, sigma, cond.embeds, cond.pooled, cond.neg, guidance_scale)
 
 
 @torch.no_grad()
@@ -642,10 +667,15 @@ def euler_scheduler(pipe):
 def linear_mu(config, tokens: int, num_steps: int) -> float:
     """FLUX.1's dynamic shift (FluxPipeline's `calculate_shift`): mu linear in the image's token count, 0.5 at 256
     tokens (512 px), 1.15 at 4096 (1024 px), from the scheduler config's base/max values."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return tokens * slope + (base_shift - slope * base_len)
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(
+        tokens,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
 
 
 def mu_for(family: Family, scheduler, latent_shape, num_steps: int) -> Optional[float]:
@@ -756,10 +786,8 @@ class Rollout:
 def sample(
     transformer,
     scheduler,
-    embeds,
-    pooled,
+    cond: Cond,
     *,
-    neg=None,
     num_steps: int = 10,
     guidance_scale: float = 1.0,
     dynamics: str = "ODE",
@@ -783,7 +811,7 @@ def sample(
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
-    device, batch = embeds.device, embeds.shape[0]
+    device, batch = cond.embeds.device, cond.embeds.shape[0]
     if noise is None:
         shape = latent_shape or (
             transformer.config.in_channels,
@@ -803,7 +831,7 @@ def sample(
     traj, log_probs, means = [x], torch.zeros(batch, num_steps, device=device), []
     for i in range(num_steps):
         with autocast(device, use_autocast):
-            v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
+            v = velocity(transformer, x, sigmas[i], cond, guidance_scale)
         step_noise = randn(x.shape, generator).to(device) if sde_mask[i] else None
         x, log_probs[:, i], mean, _ = sde_step(
             x,
@@ -860,15 +888,11 @@ def evaluate(
     with tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress) as bar:
         for k in range(0, len(prompts), batch):
             chunk = prompts[k : k + batch]
-            embeds, pooled = encoder(chunk)
-            neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
             gen = torch.Generator().manual_seed(seed + k)
             out = sample(
                 transformer,
                 pipe.scheduler,
-                embeds,
-                pooled,
-                neg=neg,
+                encoder.cond(chunk, negative=guidance_scale > 1),
                 num_steps=num_steps,
                 guidance_scale=guidance_scale,
                 generator=gen,

@@ -105,6 +105,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -409,15 +411,12 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -448,25 +447,27 @@ def main(args: Args):
             train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             batches = []
             for mb in range(num_micro):
-                idx = torch.arange(mb * args.micro_batch, (mb + 1) * args.micro_batch, device=device)
-                cond = (embeds[idx], pooled[idx], (neg[0][idx], neg[1][idx]))
-                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[idx[0]]) // args.micro_batch)
+                sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                mb_cond = cond[sl]
+                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
                 for i in common.stratified_indices(eligible - min_index, args.num_train_timesteps, t_gen):
                     s = sigmas[min_index + i]
-                    eps = common.randn(x0[idx].shape, [train_gens[j] for j in idx.tolist()]).to(device)
-                    xt = (1 - s) * x0[idx] + s * eps
-                    v_target = eps - x0[idx]
+                    eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
+                    xt = (1 - s) * x0[sl] + s * eps
+                    v_target = eps - x0[sl]
                     v_ref = v_ema = None
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.ema_kl_beta > 0 or args.off_policy:
                             with common.swapped_weights(params, ema):
-                                v_ema = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
-                        v_old = v_ema if args.off_policy else common.velocity(transformer, xt, s, *cond, args.guidance_scale)
-                    old_lp = pseudo_log_prob(v_old, v_target, s, args.weighting, args.ghuber_power)
-                    batches.append((cond, idx, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
+                                v_ema = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        v_sampler = (
+                            v_ema if args.off_policy else common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        )
+                    old_lp = pseudo_log_prob(v_sampler, v_target, s, args.weighting, args.ghuber_power)
+                    batches.append((mb_cond, sl, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
 
             # pass 2: the clipped advantage-weighted matching loss, grad_steps_per_epoch optimizer steps
             stats = {
@@ -475,11 +476,11 @@ def main(args: Args):
             }
             per_step = micro_per_step * args.num_train_timesteps
             k = 0
-            for cond, idx, s, xt, v_target, old_lp, v_ref, v_ema in batches:
+            for mb_cond, sl, s, xt, v_target, old_lp, v_ref, v_ema in batches:
                 with common.autocast(device, args.mixed_precision):
-                    v = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                    v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                 log_prob = pseudo_log_prob(v, v_target, s, args.weighting, args.ghuber_power)
-                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[idx], args.clip_low, args.clip_high)
+                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[sl], args.clip_low, args.clip_high)
                 kl = velocity_kl(v, v_ref) if v_ref is not None else torch.zeros((), device=device)
                 kl_ema = velocity_kl(v, v_ema) if v_ema is not None else torch.zeros((), device=device)
                 loss = policy_loss + args.kl_beta * kl + args.ema_kl_beta * kl_ema

@@ -104,6 +104,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -248,16 +250,17 @@ def advantage_to_unit(adv: torch.Tensor, clip: float) -> torch.Tensor:
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
 
 
-def implicit_reward(v, v_old, v_target, adaptive: bool) -> torch.Tensor:
-    """r_theta = -(||v - u||^2 - ||v_old - u||^2), per sample (the implicit log-ratio p_theta / p_old in velocity space).
+def implicit_reward(v, v_anchor, v_target, adaptive: bool) -> torch.Tensor:
+    """r_theta = -(||v - u||^2 - ||v_anchor - u||^2), per sample: the implicit log-ratio p_theta / p_anchor in velocity
+    space, the anchor being the old snapshot (the paper) or the frozen base model (--no-use-old-for-loss).
 
     With `adaptive`, each squared error is divided by its own detached mean absolute error, so samples and timesteps
     with large errors do not dominate (DiffusionNFT's adaptive weighting)."""
-    err, err_old = (v - v_target) ** 2, (v_old - v_target) ** 2
+    err, err_old = (v - v_target) ** 2, (v_anchor - v_target) ** 2
     if adaptive:
         dims = tuple(range(1, v.dim()))
         err = err / (v - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5).detach()
-        err_old = err_old / (v_old - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5)
+        err_old = err_old / (v_anchor - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5)
     return -(err - err_old).flatten(1).mean(1)
 
 
@@ -456,15 +459,12 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             with common.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -501,30 +501,26 @@ def main(args: Args):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
                     s = sigmas[i]
                     xt = (1 - s) * x0[sl] + s * eps
-                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    mb_cond = cond[sl]
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.reference_model(transformer):
-                            v_ref = (
-                                common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg) if args.kl_beta > 0 else None
-                            )
+                            v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg) if args.kl_beta > 0 else None
                             if not args.use_old_for_loss:  # implicit reward relative to the base model itself
-                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                                v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.use_old_for_loss:
                             with common.swapped_weights(params, old_snapshot):
-                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
-                    batches.append((sl, s, xt, eps - x0[sl], v_old, v_ref))
+                                v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                    batches.append((sl, s, xt, eps - x0[sl], v_anchor, v_ref))
 
             # pass 2: the centred reward-matching loss, grad_steps_per_epoch optimizer steps
             stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "implicit_reward_corr": []}
             per_step = micro_per_step * args.num_train_timesteps
             set_size = args.group_size if args.centering == "group" else args.micro_batch
             k = 0
-            for sl, s, xt, v_target, v_old, v_ref in batches:
+            for sl, s, xt, v_target, v_anchor, v_ref in batches:
                 with common.autocast(device, args.mixed_precision):
-                    v = common.velocity(
-                        transformer, xt, s, embeds[sl], pooled[sl], (neg[0][sl], neg[1][sl]), args.guidance_scale
-                    )
-                r_theta = implicit_reward(v, v_old, v_target, args.adaptive_logp)
+                    v = common.velocity(transformer, xt, s, cond[sl], args.guidance_scale)
+                r_theta = implicit_reward(v, v_anchor, v_target, args.adaptive_logp)
                 policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
                 policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
                 kl = kl_to_base(v, v_ref, kl_w[sl]) if v_ref is not None else torch.zeros(())

@@ -107,6 +107,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -405,16 +407,13 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             # the rollout policy theta^-: the current weights, then ema_ref after switch_ema_ref steps (paper App. E)
             with common.swapped_weights(params, ema_ref) if step > args.switch_ema_ref else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -460,31 +459,31 @@ def main(args: Args):
                 ).to(device)
                 for mb in range(num_micro):
                     sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    mb_cond = cond[sl]
                     v_target = eps[sl] - x0[sl]
                     for i in timesteps:
                         s = sigmas[i]
                         xt = (1 - s) * x0[sl] + s * eps[sl]
-                        v_ref = v_old = None
+                        v_ref = v_ema_ref = None
                         with torch.no_grad(), common.autocast(device, args.mixed_precision):
                             if args.kl_beta > 0 or not args.use_ema_ref:  # the frozen base, CFG kl_cfg
                                 with common.reference_model(transformer):
-                                    v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg)
+                                    v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg)
                             if args.clip_dsm or args.use_ema_ref:  # the fast EMA, as of the last optimizer step
                                 with common.swapped_weights(params, ema_ref):
-                                    v_old = common.velocity(transformer, xt, s, *cond)
+                                    v_ema_ref = common.velocity(transformer, xt, s, mb_cond)
                         with common.autocast(device, args.mixed_precision):
-                            v = common.velocity(transformer, xt, s, *cond)  # training forwards: no CFG
+                            v = common.velocity(transformer, xt, s, mb_cond)  # training forwards: no CFG
                         dsm = dsm_error(v, v_target)
-                        if v_old is not None:
+                        if v_ema_ref is not None:
                             clipped_dsm, ratio, clipped = clip_dsm_ratio(
-                                dsm, dsm_error(v_old, v_target), adv[sl], args.clip_range
+                                dsm, dsm_error(v_ema_ref, v_target), adv[sl], args.clip_range
                             )
                             dsm = clipped_dsm if args.clip_dsm else dsm
                             stats["clipfrac"].append(clipped.float().mean().item() if args.clip_dsm else 0.0)
                             stats["ratio_mean"].append(ratio.mean().item())
                             stats["approx_kl"].append(0.5 * ratio.log().pow(2).mean().item())
-                        dsm_ref = dsm_error(v_old if args.use_ema_ref else v_ref, v_target)
+                        dsm_ref = dsm_error(v_ema_ref if args.use_ema_ref else v_ref, v_target)
                         policy_loss, z = dgpo_loss(dsm, dsm_ref, adv[sl], args.group_size, args.dpo_beta)
                         kl = (
                             (v - v_ref).pow(2).flatten(1).mean(1).mean()

@@ -106,6 +106,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1.5e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4); tiny-shapes needs a high one to move within minutes, but 3e-3 peaks
     around epoch 30 and then degrades"""
@@ -414,8 +416,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
@@ -426,9 +427,7 @@ def main(args: Args):
             rollout = common.sample(
                 transformer,
                 pipe.scheduler,
-                embeds,
-                pooled,
-                neg=neg,
+                cond,
                 num_steps=args.num_steps,
                 noise=noise,
                 guidance_scale=args.guidance_scale,
@@ -469,12 +468,12 @@ def main(args: Args):
             for inner in range(args.num_inner_epochs):
                 k = 0
                 for mb in range(num_micro):  # contiguous micro-batches (prompts arrive in random order), as on any rank count
-                    idx = torch.arange(mb * args.micro_batch, (mb + 1) * args.micro_batch, device=device)
-                    cond, neg_mb = (embeds[idx], pooled[idx]), (neg[0][idx], neg[1][idx])
+                    sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    mb_cond = cond[sl]
                     for i in sde_steps:
-                        x, x_next = rollout.trajectory[idx, i], rollout.trajectory[idx, i + 1]
+                        x, x_next = rollout.trajectory[sl, i], rollout.trajectory[sl, i + 1]
                         with common.autocast(device, args.mixed_precision):
-                            v = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                            v = common.velocity(transformer, x, sigmas[i], mb_cond, args.guidance_scale)
                         # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
                         _, log_prob, mean, std = common.sde_step(
                             x,
@@ -487,17 +486,17 @@ def main(args: Args):
                             sigma_cap=float(sigmas[1]),
                             log_prob_form=args.log_prob_form,
                         )
-                        old_log_prob = rollout.log_probs[idx, i]
+                        old_log_prob = rollout.log_probs[sl, i]
                         if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
-                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std)
+                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[sl, i], std)
                             old_log_prob = torch.zeros_like(log_prob)
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
                             log_prob,
                             old_log_prob,
-                            adv[idx],
+                            adv[sl],
                             args.clip_low,
                             args.clip_high,
-                            None if weight is None else weight[idx],
+                            None if weight is None else weight[sl],
                         )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
@@ -508,7 +507,7 @@ def main(args: Args):
                                 common.reference_model(transformer),
                                 common.autocast(device, args.mixed_precision),
                             ):
-                                v_ref = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                                v_ref = common.velocity(transformer, x, sigmas[i], mb_cond, args.guidance_scale)
                             if args.kl_type == "x":
                                 _, _, mean_ref, _ = common.sde_step(
                                     x,
@@ -523,7 +522,7 @@ def main(args: Args):
                                 kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
                             else:
                                 kl = (v - v_ref).pow(2).flatten(1).mean(1)
-                            kl = (kl if weight is None else weight[idx] * kl).mean()  # filtered samples leave the KL too
+                            kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         for name, value in (

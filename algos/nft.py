@@ -104,6 +104,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 3e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4); higher than crd.py's 1e-3: one AdamW step per epoch (see docs)"""
     weight_decay: float = 1e-4
@@ -382,15 +384,12 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -422,7 +421,7 @@ def main(args: Args):
             train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                mb_cond = cond[sl]
                 t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
                 for i in common.stratified_indices(eligible, args.num_train_timesteps, t_gen):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
@@ -431,13 +430,13 @@ def main(args: Args):
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.swapped_weights(params, ema):
-                            v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                            v_old = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         v_ref = None
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                     with common.autocast(device, args.mixed_precision):
-                        v = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                        v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                     loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
                     policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)

@@ -136,14 +136,11 @@ def test_mse_log_prob_is_the_cps_surrogate():
 def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     """GRPO's old log-probs come from the rollout; re-scoring the stored trajectory must give them back exactly."""
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
-    neg = enc.negative(len(PROMPTS))
+    cond = enc.cond(PROMPTS)
     out = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds,
-        pooled,
-        neg=neg,
+        cond,
         num_steps=5,
         guidance_scale=3.0,
         dynamics="Flow-SDE",
@@ -157,7 +154,7 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     for i in (1, 3):
         x = out.trajectory[:, i]
         with torch.no_grad():
-            v = common.velocity(pipe.transformer, x, out.sigmas[i], embeds, pooled, neg, 3.0)
+            v = common.velocity(pipe.transformer, x, out.sigmas[i], cond, 3.0)
         _, logp, _, _ = common.sde_step(
             x,
             v,
@@ -175,22 +172,20 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
 @pytest.mark.parametrize("dynamics", ["CPS", "Flow-SDE", "Dance-SDE"])
 def test_zero_noise_level_equals_ode(pipe, dynamics):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     kw = dict(num_steps=4, noise=torch.randn(3, 4, 16, 16, generator=torch.Generator().manual_seed(4)))
-    ode = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics="ODE", **kw)
-    sde = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics=dynamics, eta=0.0, **kw)
+    ode = common.sample(pipe.transformer, pipe.scheduler, cond, dynamics="ODE", **kw)
+    sde = common.sample(pipe.transformer, pipe.scheduler, cond, dynamics=dynamics, eta=0.0, **kw)
     torch.testing.assert_close(sde.latents, ode.latents, atol=1e-6, rtol=1e-6)
 
 
 def test_sampler_is_deterministic_given_a_generator(pipe):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
 
     def run(seed):
         gen = torch.Generator().manual_seed(seed)
-        return common.sample(
-            pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=4, dynamics="Dance-SDE", generator=gen
-        ).latents
+        return common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=4, dynamics="Dance-SDE", generator=gen).latents
 
     torch.testing.assert_close(run(5), run(5), atol=0, rtol=0)
     assert not torch.allclose(run(5), run(6))
@@ -296,9 +291,9 @@ def test_missing_model_path_is_one_clear_line(tmp_path):
 
 def test_unknown_dynamics_is_one_clear_line(pipe):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     with pytest.raises(common.UserError, match="unknown dynamics 'SDE'.*ODE, Flow-SDE, Dance-SDE, CPS"):
-        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, dynamics="SDE")
+        common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=2, dynamics="SDE")
 
 
 def test_load_prompts_txt_jsonl_and_errors(tmp_path):
@@ -322,15 +317,15 @@ def test_lora_starts_at_base_and_reference_disables_it(pipe):
     assert params and all(p.requires_grad and p.dtype == torch.float32 for p in params)
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS[:2])
+    cond = enc.cond(PROMPTS[:2], negative=False)
     with torch.no_grad():
-        base = common.velocity(pipe.transformer, x, 0.5, embeds, pooled)
-        torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)  # LoRA B = 0 at init
+        base = common.velocity(pipe.transformer, x, 0.5, cond)
+        torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond), base)  # LoRA B = 0 at init
         for p in params:
             p.add_(0.05)
-        assert not torch.allclose(common.velocity(transformer, x, 0.5, embeds, pooled), base)
+        assert not torch.allclose(common.velocity(transformer, x, 0.5, cond), base)
         with common.reference_model(transformer):
-            torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)
+            torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond), base)
 
 
 def test_checkpoints_keep_the_last_n(tmp_path):
@@ -452,11 +447,11 @@ def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_di
         for p in params:  # LoRA B starts at 0: move it so every LoRA weight gets a gradient
             p.add_(0.05)
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond_neg = enc.cond(PROMPTS)
     x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
 
     def loss_and_grads():  # guidance 3.5: SD3's two-pass CFG, FLUX's guidance embedding
-        loss = common.velocity(pipe.transformer, x, 0.6, embeds, pooled, enc.negative(len(PROMPTS)), 3.5).pow(2).mean()
+        loss = common.velocity(pipe.transformer, x, 0.6, cond_neg, 3.5).pow(2).mean()
         grads = torch.autograd.grad(loss, params)
         return loss.detach(), grads
 
@@ -523,21 +518,19 @@ def test_keyed_noise_depends_on_the_key_not_on_the_batch():
 def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     """sample() with one generator per sample: each row's initial and step noise follow only its own key."""
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     kw = dict(num_steps=4, dynamics="Flow-SDE", eta=0.7, latent_shape=pipe.latent_shape)
     full = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds,
-        pooled,
+        cond,
         generator=common.keyed_generators(0, 0, "rollout", indices=[0, 1, 2]),
         **kw,
     )
     last = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds[2:],
-        pooled[2:],
+        cond[2:],
         generator=common.keyed_generators(0, 0, "rollout", indices=[2]),
         **kw,
     )
@@ -561,3 +554,14 @@ def test_old_checkpoint_args_are_read_under_todays_names():
     assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
     with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
         common.upgrade_saved_args({"old_model_decay": "medium"})
+
+
+def test_cond_slices_every_field_and_carries_the_negative(pipe):
+    enc = common.PromptEncoder(pipe)
+    cond, plain = enc.cond(PROMPTS), enc.cond(PROMPTS, negative=False)
+    embeds, pooled = enc(PROMPTS)
+    neg_embeds, neg_pooled = enc.negative(len(PROMPTS))
+    part = cond[1:]
+    for got, full in zip((part.embeds, part.pooled, *part.neg), (embeds, pooled, neg_embeds, neg_pooled)):
+        torch.testing.assert_close(got, full[1:], rtol=0, atol=0)
+    assert plain.neg is None and plain[torch.tensor([0, 2])].neg is None and plain[torch.tensor([0, 2])].embeds.shape[0] == 2
