@@ -582,6 +582,26 @@ def autocast(device: torch.device, enabled: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # text, velocity, decode
 # ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cond:
+    """The text conditioning of a batch, as `PromptEncoder.cond` returns it: the prompts' token embeddings and the
+    family's second text input (`pooled`, see `PromptEncoder`), and the same two of the negative prompt for CFG (None
+    when no CFG is needed). `cond[i]` (an index, slice or index tensor) takes those samples of every field."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_embeds: Optional[torch.Tensor] = None
+    neg_pooled: Optional[torch.Tensor] = None
+
+    def __getitem__(self, idx) -> "Cond":
+        return Cond(*(None if t is None else t[idx] for t in (self.embeds, self.pooled, self.neg_embeds, self.neg_pooled)))
+
+    @property
+    def neg(self) -> Optional[tuple]:
+        """The negative prompt's (embeds, pooled), the form the model families take; None without one."""
+        return None if self.neg_embeds is None else (self.neg_embeds, self.neg_pooled)
+
+
 class PromptEncoder:
     """Encodes prompts once and caches (embeds, extra) per prompt; the negative prompt for CFG is "" by default.
 
@@ -622,6 +642,11 @@ class PromptEncoder:
         embeds = pad_stack([self.cache[p][0] for p in prompts]).to(self.device)
         extra = pad_stack([self.cache[p][1] for p in prompts]).to(self.device)
         return embeds, extra
+
+    def cond(self, prompts: Sequence[str], negative: bool = True) -> Cond:
+        """The prompts' `Cond`, with the negative prompt repeated for each (for CFG) unless `negative` is False."""
+        embeds, pooled = self(prompts)
+        return Cond(embeds, pooled, *(self.negative(len(prompts)) if negative else (None, None)))
 
     def negative(self, batch: int):
         if self.family.encode_negative is None:
@@ -682,12 +707,12 @@ def model_dtype(transformer) -> torch.dtype:
     return _DTYPES[transformer]
 
 
-def velocity(transformer, x, sigma, embeds, pooled, neg=None, guidance_scale: float = 1.0) -> torch.Tensor:
+def velocity(transformer, x, sigma, cond: Cond, guidance_scale: float = 1.0) -> torch.Tensor:
     """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
-    Returns fp32 like x. `pooled` is the family's second text input (`PromptEncoder`), `neg` the negative prompt's
-    (embeds, pooled) for CFG (scale > 1); the family's own guidance mode applies (see models/<family>.py)."""
+    Returns fp32 like x. `cond` is the batch's text (`Cond`); its negative prompt is used for CFG (scale > 1); the
+    family's own guidance mode applies (see models/<family>.py)."""
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-    return family_of(transformer).velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale)
+    return family_of(transformer).velocity(transformer, x, sigma, cond.embeds, cond.pooled, cond.neg, guidance_scale)
 
 
 @torch.no_grad()
@@ -717,10 +742,15 @@ def euler_scheduler(pipe):
 def linear_mu(config, tokens: int, num_steps: int) -> float:
     """FLUX.1's dynamic shift (FluxPipeline's `calculate_shift`): mu linear in the image's token count, 0.5 at 256
     tokens (512 px), 1.15 at 4096 (1024 px), from the scheduler config's base/max values."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return tokens * slope + (base_shift - slope * base_len)
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(
+        tokens,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
 
 
 def mu_for(family: Family, scheduler, latent_shape, num_steps: int) -> Optional[float]:
@@ -831,10 +861,8 @@ class Rollout:
 def sample(
     transformer,
     scheduler,
-    embeds,
-    pooled,
+    cond: Cond,
     *,
-    neg=None,
     num_steps: int = 10,
     guidance_scale: float = 1.0,
     dynamics: str = "ODE",
@@ -863,7 +891,7 @@ def sample(
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
-    device, batch = embeds.device, embeds.shape[0]
+    device, batch = cond.embeds.device, cond.embeds.shape[0]
     if chunk is not None or on_chunk is not None:
         step = chunk or batch
         if step < batch and generator is not None and not isinstance(generator, (list, tuple)):
@@ -887,9 +915,7 @@ def sample(
                 sample(
                     transformer,
                     scheduler,
-                    embeds[sl],
-                    _rows(pooled, sl),
-                    neg=_rows(neg, sl),
+                    cond[sl],
                     generator=_rows(generator, sl),
                     noise=_rows(noise, sl),
                     **kwargs,
@@ -924,7 +950,7 @@ def sample(
     traj, log_probs, means = [x], torch.zeros(batch, num_steps, device=device), []
     for i in range(num_steps):
         with autocast(device, use_autocast):
-            v = velocity(transformer, x, sigmas[i], embeds, pooled, neg, guidance_scale)
+            v = velocity(transformer, x, sigmas[i], cond, guidance_scale)
         step_noise = randn(x.shape, generator).to(device) if sde_mask[i] else None
         x, log_probs[:, i], mean, _ = sde_step(
             x,
@@ -1064,15 +1090,11 @@ def evaluate(
     with tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress) as bar:
         for k in range(0, len(prompts), batch):
             chunk = prompts[k : k + batch]
-            embeds, pooled = encoder(chunk)
-            neg = encoder.negative(len(chunk)) if guidance_scale > 1 else None
             gen = torch.Generator().manual_seed(seed + k)
             out = sample(
                 transformer,
                 pipe.scheduler,
-                embeds,
-                pooled,
-                neg=neg,
+                encoder.cond(chunk, negative=guidance_scale > 1),
                 num_steps=num_steps,
                 guidance_scale=guidance_scale,
                 generator=gen,
@@ -1088,7 +1110,7 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# prompts, groups, advantages
+# prompts, groups, timesteps
 # ----------------------------------------------------------------------------------------------------------------
 def load_prompts(path: str) -> list:
     """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped."""
@@ -1123,70 +1145,6 @@ def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, gen
     while len(idx) < num_prompts:
         idx += torch.randperm(len(prompts), generator=generator).tolist()
     return [prompts[i] for i in idx[:num_prompts] for _ in range(group_size)]
-
-
-# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
-# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
-# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
-STD_EPS = 1e-4
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
-) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
-
-    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
-    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
-    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
-    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
-    """
-    r = rewards.double().view(-1, group_size)
-    if leave_one_out:
-        if group_size < 2:
-            raise UserError("leave-one-out advantages need a group size >= 2")
-        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(1, keepdim=True)
-    centred = r - baseline
-    if std == "group":
-        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
-    elif std == "global":
-        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
-    elif std == "none":
-        scale = torch.ones_like(r[:, :1])
-    else:
-        raise UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
-    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
-    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv.view(-1).float()
-
-
-def aggregate_advantages(
-    scores: dict,
-    weights: dict,
-    group_size: int,
-    aggregation: str = "sum",
-    std: str = "group",
-    leave_one_out: bool = False,
-    clip: Optional[float] = None,
-) -> torch.Tensor:
-    """Several rewards -> one advantage per sample.
-
-    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
-    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
-    scale cannot drown the others.
-    """
-    if aggregation == "sum":
-        total = sum(w * scores[k] for k, w in weights.items())
-        return group_advantages(total, group_size, std, leave_one_out, clip)
-    if aggregation == "gdpo":
-        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
-        return combined.clamp(-clip, clip) if clip is not None else combined
-    raise UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 def stratified_indices(num_indices: int, count: int, generator: torch.Generator) -> list:
@@ -1323,6 +1281,11 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
     if fields.get("eval_num_steps") is not None and args.eval_num_steps <= 0:
         raise UserError(f"--eval-num-steps {args.eval_num_steps}: must be > 0")
+    for name, value in fields.items():  # the snapshot/EMA decay schedules, `<snapshot>_decay_*` in the scripts (get_decay)
+        if name.endswith(("_decay_start", "_decay_max")) and not 0 <= value <= 1:
+            raise UserError(f"{_flag(name)} {value}: must be in [0, 1] (0 = hard copy of the weights, 1 = frozen)")
+        if name.endswith(("_decay_ramp", "_decay_flat_steps")) and value < 0:
+            raise UserError(f"{_flag(name)} {value}: must be >= 0")
     if fields.get("eval_guidance_scale") is not None and args.eval_guidance_scale < 1:
         raise UserError(f"--eval-guidance-scale {args.eval_guidance_scale}: must be >= 1 (1 = no CFG)")
     if not 0 <= fields.get("eval_ema_decay", 0) < 1:
@@ -1396,9 +1359,49 @@ def _plain_json(value):
     return json.loads(json.dumps(value, default=str))
 
 
+# Args renamed since checkpoints were first written: the old name -> today's, so that those runs resume with their own
+# settings (the decay schedules became `<snapshot>_decay_start/_flat_steps/_ramp/_max` in every script)
+RENAMED_ARGS = {
+    "decay_flat_steps": "old_decay_flat_steps",  # nft
+    "decay_ramp": "old_decay_ramp",
+    "decay_max": "old_decay_max",
+    "ema_decay": "ema_decay_max",  # awm (its ema_decay_ramp kept its name)
+    "ema_ref_max_decay": "ema_ref_decay_max",  # dgpo
+    "ema_ref_ramp_rate": "ema_ref_decay_ramp",
+}
+
+
+def upgrade_saved_args(saved: dict) -> dict:
+    """A checkpoint's Args under today's field names (`RENAMED_ARGS`), CRD's former decay strings
+    `--old-model-decay` / `--sampling-model-decay` "flat_steps-start-ramp-max" split into their four fields."""
+    saved = {RENAMED_ARGS.get(k, k): v for k, v in saved.items()}
+    for snapshot in ("old", "sampling"):
+        spec = saved.pop(f"{snapshot}_model_decay", None)
+        if spec is None:
+            continue
+        try:
+            flat_steps, start, ramp, max_decay = (float(x) for x in str(spec).split("-"))
+            assert flat_steps == int(flat_steps)
+        except (ValueError, AssertionError):
+            raise UserError(
+                f"the checkpoint's {snapshot}_model_decay {spec!r} is not flat_steps-start-ramp-max; "
+                f"pass its values as --{snapshot}-decay-flat-steps/-start/-ramp/-max"
+            )
+        saved.update(
+            {
+                f"{snapshot}_decay_start": start,
+                f"{snapshot}_decay_flat_steps": int(flat_steps),
+                f"{snapshot}_decay_ramp": ramp,
+                f"{snapshot}_decay_max": max_decay,
+            }
+        )
+    return saved
+
+
 def restore_args(args, saved: dict) -> dict:
     """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
     is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
+    saved = upgrade_saved_args(saved)
     given, overrides = given_flags(args), {}
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
@@ -1985,9 +1988,18 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: float) -> Optional[float]:
+MAX_BAD_STEPS = 5  # non-finite gradients in a row before `apply_gradients` gives up
+
+
+def apply_gradients(
+    params: Sequence[torch.Tensor], optimizer, max_grad_norm: float, on_fail: Optional[Callable[[], None]] = None
+) -> Optional[float]:
     """Average the accumulated gradients over ranks, clip, step, zero. Returns the pre-clip grad norm, or None
     (and no update) when it is not finite, so that one bad batch cannot poison the weights.
+
+    A skipped update prints a warning; the MAX_BAD_STEPS-th in a row calls `on_fail()` (the scripts save a checkpoint)
+    and stops the run with a UserError. The count lives in the current run's state (`start_run` resets it), so a
+    resumed run starts from 0 as it did before.
 
     One all-reduce per parameter instead of DDP: algorithms swap snapshot/EMA weights into the same module,
     which DDP's bucketing would not expect."""
@@ -1998,7 +2010,18 @@ def apply_gradients(params: Sequence[torch.Tensor], optimizer, max_grad_norm: fl
     if torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item() if torch.isfinite(grad_norm) else None
+    if torch.isfinite(grad_norm):
+        _RUN["bad_steps"] = 0
+        return grad_norm.item()
+    _RUN["bad_steps"] = bad = _RUN.get("bad_steps", 0) + 1
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: non-finite gradient, update skipped ({bad} in a row)")
+    if bad >= MAX_BAD_STEPS:
+        if on_fail is not None:
+            on_fail()
+        raise UserError(f"{MAX_BAD_STEPS} non-finite updates in a row; checkpoint saved, lower the learning rate")
+    return None
 
 
 def trainable_state(params_by_name: dict) -> dict:
@@ -2009,6 +2032,95 @@ def load_trainable_state(params_by_name: dict, state: dict):
     with torch.no_grad():
         for n, p in params_by_name.items():
             p.copy_(state[n])
+
+
+def save_state(
+    run_dir: Path,
+    args,
+    pipe,
+    named: dict,
+    optimizer,
+    snapshots: dict,
+    eval_ema: EvalEMA,
+    prompt_gen: torch.Generator,
+    logger: "Logger",
+    algo_doc: str,
+    *,
+    epoch: int,
+    step: int,
+    images_seen: int,
+):
+    """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
+    the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
+    and the sampler settings -- to checkpoints/last.pt (keeping the newest `--keep-checkpoints`), then the LoRA export
+    that users load (runs/<run>/lora)."""
+    if not logger.enabled:
+        return
+    save_checkpoint(
+        Path(run_dir) / "checkpoints" / "last.pt",
+        {
+            "params": trainable_state(named),
+            "optimizer": optimizer.state_dict(),
+            "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+            "eval_ema": eval_ema.state(),
+            "prompt_gen": prompt_gen.get_state(),
+            "rng": rng_state(),
+            "epoch": epoch,
+            "step": step,
+            "images_seen": images_seen,
+            "args": vars(args),
+            "sampler": {
+                "num_steps": args.num_steps,
+                "guidance_scale": args.guidance_scale,
+                "dynamics": args.dynamics,
+                "eta": args.eta,
+                "scheduler": dict(pipe.scheduler.config),
+            },
+        },
+        keep=args.keep_checkpoints,
+    )
+    export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+
+
+def restore_state(
+    ckpt: Optional[dict], named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator
+) -> tuple:
+    """The inverse of `save_state` for a resumed run (`ckpt` from `start_run`; None: a fresh run, nothing to do).
+    Returns (start_epoch, step, images_seen)."""
+    if ckpt is None:
+        return 0, 0, 0
+    load_trainable_state(named, ckpt["params"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for key, tensors in snapshots.items():
+        for t, saved in zip(tensors, ckpt["snapshots"][key]):
+            t.copy_(saved)
+    eval_ema.load(ckpt.get("eval_ema"))
+    prompt_gen.set_state(ckpt["prompt_gen"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+
+def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int):
+    """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
+    --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
+    at x = images seen. Returns {reward: mean} for the progress bar (None on the other ranks)."""
+    if not logger.enabled:
+        return None
+    with eval_ema.swapped():
+        imgs, scores = evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            rewards.evaluate,
+            num_steps=args.eval_num_steps or args.num_steps,
+            guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
+            seed=0,
+            use_autocast=args.mixed_precision,
+        )
+    logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+    logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)
+    return {k: v.mean().item() for k, v in scores.items()}
 
 
 class Timer:

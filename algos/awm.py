@@ -111,6 +111,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -153,16 +155,86 @@ class Args:
     """KL weight to the base model, velocity MSE ||v - v_ref||^2 (paper: 1e-4 PickScore, 1e-3 GenEval; tiny: see docs)"""
     ema_kl_beta: float = 0.0
     """KL weight to the EMA of the policy, ||v - v_ema||^2: a trust region around the recent weights (paper: 1)"""
-    ema_decay: float = 0.3
-    """largest EMA decay d (paper: 0.3); the EMA is updated once per epoch, ema <- d ema + (1 - d) theta"""
+    ema_decay_start: float = 0.0
+    """decay d of the EMA, updated once per epoch as ema <- d ema + (1 - d) theta, for the first ema_decay_flat_steps
+    optimizer steps (0 = a copy of the latest weights; paper: 0)"""
+    ema_decay_flat_steps: int = 0
+    """then d_i = min(ema_decay_start + ema_decay_ramp (i - flat_steps), ema_decay_max) (paper: 0)"""
     ema_decay_ramp: float = 0.001
-    """d = min(ema_decay, ema_decay_ramp * optimizer steps so far) (paper: 0.001)"""
+    """increase of d per optimizer step (paper: 0.001)"""
+    ema_decay_max: float = 0.3
+    """the largest EMA decay (paper: 0.3)"""
     off_policy: bool = False
     """sample and compute the old pseudo log-likelihoods with the EMA instead of the current weights"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
     """(computed in runtime)"""
+
+
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: AWM's math as small pure functions
@@ -222,14 +294,16 @@ def velocity_kl(v, v_other) -> torch.Tensor:
     return (v - v_other).pow(2).flatten(1).mean(1).mean()
 
 
-def ema_decay(step: int, max_decay: float, ramp: float) -> float:
-    """d = min(max_decay, ramp * step), step = optimizer steps so far (official "linear" kl_ema_decay_type): the EMA
-    starts as a copy of the latest weights and slowly gains memory."""
-    return min(max_decay, ramp * step)
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
 
 
 def update_ema(ema, params, decay: float):
-    """ema <- d ema + (1 - d) theta; d <= 0 is a hard copy."""
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
     with torch.no_grad():
         for e, p in zip(ema, params):
             e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
@@ -301,67 +375,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -375,7 +409,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -383,16 +419,13 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -410,7 +443,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx]
             adv = scale_advantages(adv, args.adv_clip, args.advantage_max).to(device)
@@ -425,25 +458,27 @@ def main(args: Args):
             train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             batches = []
             for mb in range(num_micro):
-                idx = torch.arange(mb * args.micro_batch, (mb + 1) * args.micro_batch, device=device)
-                cond = (embeds[idx], pooled[idx], (neg[0][idx], neg[1][idx]))
-                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[idx[0]]) // args.micro_batch)
+                sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                mb_cond = cond[sl]
+                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
                 for i in common.stratified_indices(eligible - min_index, args.num_train_timesteps, t_gen):
                     s = sigmas[min_index + i]
-                    eps = common.randn(x0[idx].shape, [train_gens[j] for j in idx.tolist()]).to(device)
-                    xt = (1 - s) * x0[idx] + s * eps
-                    v_target = eps - x0[idx]
+                    eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
+                    xt = (1 - s) * x0[sl] + s * eps
+                    v_target = eps - x0[sl]
                     v_ref = v_ema = None
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.ema_kl_beta > 0 or args.off_policy:
                             with common.swapped_weights(params, ema):
-                                v_ema = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
-                        v_old = v_ema if args.off_policy else common.velocity(transformer, xt, s, *cond, args.guidance_scale)
-                    old_lp = pseudo_log_prob(v_old, v_target, s, args.weighting, args.ghuber_power)
-                    batches.append((cond, idx, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
+                                v_ema = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        v_sampler = (
+                            v_ema if args.off_policy else common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        )
+                    old_lp = pseudo_log_prob(v_sampler, v_target, s, args.weighting, args.ghuber_power)
+                    batches.append((mb_cond, sl, s, xt, v_target, old_lp, v_ref, v_ema if args.ema_kl_beta > 0 else None))
 
             # pass 2: the clipped advantage-weighted matching loss, grad_steps_per_epoch optimizer steps
             stats = {
@@ -451,11 +486,12 @@ def main(args: Args):
                 for name in ("policy_loss", "kl_ref", "kl_ema", "fm_loss", "grad_norm", "approx_kl", "clipfrac", "ratio_mean")
             }
             per_step = micro_per_step * args.num_train_timesteps
-            for k, (cond, idx, s, xt, v_target, old_lp, v_ref, v_ema) in enumerate(batches):
+            k = 0
+            for mb_cond, sl, s, xt, v_target, old_lp, v_ref, v_ema in batches:
                 with common.autocast(device, args.mixed_precision):
-                    v = common.velocity(transformer, xt, s, *cond, args.guidance_scale)
+                    v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                 log_prob = pseudo_log_prob(v, v_target, s, args.weighting, args.ghuber_power)
-                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[idx], args.clip_low, args.clip_high)
+                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[sl], args.clip_low, args.clip_high)
                 kl = velocity_kl(v, v_ref) if v_ref is not None else torch.zeros((), device=device)
                 kl_ema = velocity_kl(v, v_ema) if v_ema is not None else torch.zeros((), device=device)
                 loss = policy_loss + args.kl_beta * kl + args.ema_kl_beta * kl_ema
@@ -471,27 +507,27 @@ def main(args: Args):
                     ("ratio_mean", ratio.mean()),
                 ):
                     stats[name].append(value.item())
-                if (k + 1) % per_step == 0:
-                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                    if grad_norm is None:  # non-finite: update skipped
-                        bad_steps += 1
-                        tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
-                        if bad_steps >= 5:
-                            save(epoch)
-                            raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
-                        continue
-                    bad_steps, step = 0, step + 1
-                    eval_ema.update(step)
-                    stats["grad_norm"].append(grad_norm)
+                # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                k += 1
+                if k % per_step == 0:
+                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                    if grad_norm is not None:
+                        step += 1
+                        eval_ema.update(step)
+                        stats["grad_norm"].append(grad_norm)
 
-            # ALGO LOGIC: the EMA update, once per epoch, its decay indexed by the optimizer step (as in the official code)
+            # ALGO LOGIC: the EMA update, once per epoch, its decay indexed by the optimizer step (official "linear"
+            # kl_ema_decay_type): the EMA starts as a copy of the latest weights and slowly gains memory
             diagnostics = {
                 "ratio_mean": float(np.mean(stats.pop("ratio_mean"))),
-                "ema_decay": ema_decay(step, args.ema_decay, args.ema_decay_ramp),
+                "ema_decay": get_decay(
+                    step, args.ema_decay_start, args.ema_decay_flat_steps, args.ema_decay_ramp, args.ema_decay_max
+                ),
             }
             update_ema(ema, params, diagnostics["ema_decay"])
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -519,7 +555,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

@@ -110,6 +110,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -148,10 +150,24 @@ class Args:
     """normalise each velocity error by its own detached mean |error| (self-normalised, ~L1 scale)"""
     use_old_for_loss: bool = True
     """implicit reward relative to the "old" snapshot (True) or to the frozen base model (False)"""
-    old_model_decay: str = "0-0.25-0.005-0.999"
-    """old snapshot decay "start_step-start_value-slope-end_value" or a preset name (see DECAY_PRESETS)"""
-    sampling_model_decay: str = "75-0.0-0.0075-0.999"
-    """sampling snapshot decay; 0 = hard copy of the current weights (on-policy), 1 = frozen"""
+    old_decay_start: float = 0.25
+    """decay d of the old snapshot's soft update old <- d old + (1 - d) theta for the first old_decay_flat_steps
+    optimizer steps (0 = hard copy of the current weights, 1 = frozen; paper: 0.25)"""
+    old_decay_flat_steps: int = 0
+    """then d_i = min(old_decay_start + old_decay_ramp (i - flat_steps), old_decay_max) (paper: 0)"""
+    old_decay_ramp: float = 0.005
+    """increase of the old snapshot's d per optimizer step (paper: 0.005)"""
+    old_decay_max: float = 0.999
+    """the final decay of the old snapshot (paper: 0.999)"""
+    sampling_decay_start: float = 0.0
+    """decay d of the sampling snapshot (the rollout policy) for the first sampling_decay_flat_steps optimizer steps
+    (0 = on-policy; paper: 0)"""
+    sampling_decay_flat_steps: int = 75
+    """then d_i = min(sampling_decay_start + sampling_decay_ramp (i - flat_steps), sampling_decay_max) (paper: 75)"""
+    sampling_decay_ramp: float = 0.0075
+    """increase of the sampling snapshot's d per optimizer step (paper: 0.0075)"""
+    sampling_decay_max: float = 0.999
+    """the final decay of the sampling snapshot (paper: 0.999)"""
     kl_beta: float = 1.0
     """KL weight to the CFG-guided base model at reward 1 (velocity-space MSE; paper, SD3.5-M: 0.1). On tiny-shapes the
     KL to the CFG teacher is what keeps the gains honest: at 0.1 the held-out exact score did not rise (docs/crd.md)"""
@@ -169,53 +185,88 @@ class Args:
     """(computed in runtime)"""
 
 
-DECAY_PRESETS = {
-    "none": "0-0-0-0",
-    "slow": "0-0-0.001-0.5",
-    "medium": "75-0-0.0075-0.999",
-    "offline": "0-1-0-1",
-    "fast": "0-0-0.02-0.99",
-    "moderate": "0-0-0.01-0.5",
-}
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: CRD's math as small pure functions
-def snapshot_decay(spec: str, step: int) -> float:
-    """ "start_step-start_value-slope-end_value": d = start_value before start_step, then grows linearly to end_value."""
-    spec = DECAY_PRESETS.get(spec, spec)
-    try:
-        start_step, start_value, slope, end_value = (float(x) for x in spec.split("-"))
-    except ValueError:
-        raise common.UserError(
-            f"bad decay {spec!r}: expected start_step-start_value-slope-end_value or one of {list(DECAY_PRESETS)}"
-        )
-    if step < start_step:
-        return start_value
-    return min(start_value + (step - start_step) * slope, end_value)
-
-
-def update_snapshot(snapshot, params, decay: float):
-    """snapshot <- d snapshot + (1 - d) theta; d <= 0 is a hard copy, d >= 1 leaves it frozen."""
-    with torch.no_grad():
-        for s, p in zip(snapshot, params):
-            s.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
-
-
 def advantage_to_unit(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """A in [-c, c] -> a in [0, 1], with A = 0 -> 0.5 (as DiffusionNFT's r)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
 
 
-def implicit_reward(v, v_old, v_target, adaptive: bool) -> torch.Tensor:
-    """r_theta = -(||v - u||^2 - ||v_old - u||^2), per sample (the implicit log-ratio p_theta / p_old in velocity space).
+def implicit_reward(v, v_anchor, v_target, adaptive: bool) -> torch.Tensor:
+    """r_theta = -(||v - u||^2 - ||v_anchor - u||^2), per sample: the implicit log-ratio p_theta / p_anchor in velocity
+    space, the anchor being the old snapshot (the paper) or the frozen base model (--no-use-old-for-loss).
 
     With `adaptive`, each squared error is divided by its own detached mean absolute error, so samples and timesteps
     with large errors do not dominate (DiffusionNFT's adaptive weighting)."""
-    err, err_old = (v - v_target) ** 2, (v_old - v_target) ** 2
+    err, err_old = (v - v_target) ** 2, (v_anchor - v_target) ** 2
     if adaptive:
         dims = tuple(range(1, v.dim()))
         err = err / (v - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5).detach()
-        err_old = err_old / (v_old - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5)
+        err_old = err_old / (v_anchor - v_target).abs().mean(dims, keepdim=True).clamp_min(1e-5)
     return -(err - err_old).flatten(1).mean(1)
 
 
@@ -286,6 +337,21 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x * y).sum().item() / denom if denom > 1e-12 else float("nan")
 
 
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
@@ -300,10 +366,6 @@ def main(args: Args):
             f"micro_batch ({args.micro_batch}) must hold whole groups "
             f"(a multiple of group_size {args.group_size}) for within-prompt centring"
         )
-    (
-        snapshot_decay(args.old_model_decay, 0),
-        snapshot_decay(args.sampling_model_decay, 0),
-    )  # a typo fails now, not after an epoch
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -361,67 +423,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -435,7 +457,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -443,16 +467,13 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             with common.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -470,7 +491,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )
             a_all = advantage_to_unit(adv, args.adv_clip)
@@ -491,29 +512,26 @@ def main(args: Args):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
                     s = sigmas[i]
                     xt = (1 - s) * x0[sl] + s * eps
-                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    mb_cond = cond[sl]
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.reference_model(transformer):
-                            v_ref = (
-                                common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg) if args.kl_beta > 0 else None
-                            )
+                            v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg) if args.kl_beta > 0 else None
                             if not args.use_old_for_loss:  # implicit reward relative to the base model itself
-                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                                v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.use_old_for_loss:
                             with common.swapped_weights(params, old_snapshot):
-                                v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
-                    batches.append((sl, s, xt, eps - x0[sl], v_old, v_ref))
+                                v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                    batches.append((sl, s, xt, eps - x0[sl], v_anchor, v_ref))
 
             # pass 2: the centred reward-matching loss, grad_steps_per_epoch optimizer steps
             stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "implicit_reward_corr": []}
             per_step = micro_per_step * args.num_train_timesteps
             set_size = args.group_size if args.centering == "group" else args.micro_batch
-            for k, (sl, s, xt, v_target, v_old, v_ref) in enumerate(batches):
+            k = 0
+            for sl, s, xt, v_target, v_anchor, v_ref in batches:
                 with common.autocast(device, args.mixed_precision):
-                    v = common.velocity(
-                        transformer, xt, s, embeds[sl], pooled[sl], (neg[0][sl], neg[1][sl]), args.guidance_scale
-                    )
-                r_theta = implicit_reward(v, v_old, v_target, args.adaptive_logp)
+                    v = common.velocity(transformer, xt, s, cond[sl], args.guidance_scale)
+                r_theta = implicit_reward(v, v_anchor, v_target, args.adaptive_logp)
                 policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
                 policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
                 kl = kl_to_base(v, v_ref, kl_w[sl]) if v_ref is not None else torch.zeros(())
@@ -522,29 +540,34 @@ def main(args: Args):
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl_ref"].append(kl.item())
                 stats["implicit_reward_corr"].append(correlation(r_theta.detach(), a[sl]))
-                if (k + 1) % per_step == 0:
-                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                    if grad_norm is None:  # non-finite: update skipped
-                        bad_steps += 1
-                        tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
-                        if bad_steps >= 5:
-                            save(epoch)
-                            raise common.UserError("5 non-finite updates in a row; checkpoint saved, lower the learning rate")
-                        continue
-                    bad_steps, step = 0, step + 1
-                    eval_ema.update(step)
-                    stats["grad_norm"].append(grad_norm)
+                # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                k += 1
+                if k % per_step == 0:
+                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                    if grad_norm is not None:
+                        step += 1
+                        eval_ema.update(step)
+                        stats["grad_norm"].append(grad_norm)
 
             # ALGO LOGIC: snapshot updates, indexed by the optimizer step (as in the authors' Flow-Factory code)
             diagnostics = {
-                "old_decay": snapshot_decay(args.old_model_decay, step),
-                "sampling_decay": snapshot_decay(args.sampling_model_decay, step),
+                "old_decay": get_decay(
+                    step, args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max
+                ),
+                "sampling_decay": get_decay(
+                    step,
+                    args.sampling_decay_start,
+                    args.sampling_decay_flat_steps,
+                    args.sampling_decay_ramp,
+                    args.sampling_decay_max,
+                ),
                 "kl_weight": kl_w.mean().item(),
             }
-            update_snapshot(old_snapshot, params, diagnostics["old_decay"])
-            update_snapshot(sampling_snapshot, params, diagnostics["sampling_decay"])
+            update_ema(old_snapshot, params, diagnostics["old_decay"])
+            update_ema(sampling_snapshot, params, diagnostics["sampling_decay"])
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -572,7 +595,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

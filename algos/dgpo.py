@@ -113,6 +113,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 1e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
     weight_decay: float = 1e-4
@@ -150,10 +152,15 @@ class Args:
     use_ema_ref: bool = False
     """implicit reward relative to the fast EMA ema_ref instead of the frozen base model (the TDM-R1 variant,
     beta 2000-5000)"""
-    ema_ref_max_decay: float = 0.3
-    """ema_ref decay d = min(max_decay, ramp_rate * step), updated after every optimizer step (paper: 0.3)"""
-    ema_ref_ramp_rate: float = 1e-3
-    """ema_ref decay ramp per optimizer step (paper code: 1e-3, i.e. d reaches 0.3 after 300 steps)"""
+    ema_ref_decay_start: float = 0.0
+    """decay d of ema_ref, updated after every optimizer step as ema_ref <- d ema_ref + (1 - d) theta, for the first
+    ema_ref_decay_flat_steps optimizer steps (0 = a hard copy of theta; paper: 0)"""
+    ema_ref_decay_flat_steps: int = 0
+    """then d_i = min(ema_ref_decay_start + ema_ref_decay_ramp (i - flat_steps), ema_ref_decay_max) (paper: 0)"""
+    ema_ref_decay_ramp: float = 1e-3
+    """increase of d per optimizer step (paper code: 1e-3, i.e. d reaches 0.3 after 300 steps)"""
+    ema_ref_decay_max: float = 0.3
+    """the largest ema_ref decay (paper: 0.3)"""
     switch_ema_ref: int = 200
     """roll out with ema_ref instead of the current weights after this many optimizer steps (paper: 200)"""
     kl_beta: float = 0.5
@@ -166,6 +173,71 @@ class Args:
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
     """(computed in runtime)"""
+
+
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: DGPO's math as small pure functions
@@ -214,16 +286,19 @@ def group_noise(generators: list, group_size: int, shape) -> torch.Tensor:
     return common.randn((len(generators), *shape), generators).repeat_interleave(group_size, 0)
 
 
-def ema_ref_decay(step: int, max_decay: float, ramp_rate: float) -> float:
-    """d = min(max_decay, ramp_rate * step): a hard copy of theta at first, then a fast EMA (paper App. E)."""
-    return min(max_decay, ramp_rate * step)
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
 
 
 def update_ema(ema, params, decay: float):
-    """ema <- d ema + (1 - d) theta."""
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
     with torch.no_grad():
         for e, p in zip(ema, params):
-            e.lerp_(p.detach(), 1 - decay)
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
 
 
 def main(args: Args):
@@ -296,67 +371,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -370,7 +405,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -378,17 +415,14 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             # the rollout policy theta^-: the current weights, then ema_ref after switch_ema_ref steps (paper App. E)
             with common.swapped_weights(params, ema_ref) if step > args.switch_ema_ref else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -406,7 +440,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
@@ -436,31 +470,31 @@ def main(args: Args):
                 ).to(device)
                 for mb in range(num_micro):
                     sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                    cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                    mb_cond = cond[sl]
                     v_target = eps[sl] - x0[sl]
                     for i in timesteps:
                         s = sigmas[i]
                         xt = (1 - s) * x0[sl] + s * eps[sl]
-                        v_ref = v_old = None
+                        v_ref = v_ema_ref = None
                         with torch.no_grad(), common.autocast(device, args.mixed_precision):
                             if args.kl_beta > 0 or not args.use_ema_ref:  # the frozen base, CFG kl_cfg
                                 with common.reference_model(transformer):
-                                    v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.kl_cfg)
+                                    v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg)
                             if args.clip_dsm or args.use_ema_ref:  # the fast EMA, as of the last optimizer step
                                 with common.swapped_weights(params, ema_ref):
-                                    v_old = common.velocity(transformer, xt, s, *cond)
+                                    v_ema_ref = common.velocity(transformer, xt, s, mb_cond)
                         with common.autocast(device, args.mixed_precision):
-                            v = common.velocity(transformer, xt, s, *cond)  # training forwards: no CFG
+                            v = common.velocity(transformer, xt, s, mb_cond)  # training forwards: no CFG
                         dsm = dsm_error(v, v_target)
-                        if v_old is not None:
+                        if v_ema_ref is not None:
                             clipped_dsm, ratio, clipped = clip_dsm_ratio(
-                                dsm, dsm_error(v_old, v_target), adv[sl], args.clip_range
+                                dsm, dsm_error(v_ema_ref, v_target), adv[sl], args.clip_range
                             )
                             dsm = clipped_dsm if args.clip_dsm else dsm
                             stats["clipfrac"].append(clipped.float().mean().item() if args.clip_dsm else 0.0)
                             stats["ratio_mean"].append(ratio.mean().item())
                             stats["approx_kl"].append(0.5 * ratio.log().pow(2).mean().item())
-                        dsm_ref = dsm_error(v_old if args.use_ema_ref else v_ref, v_target)
+                        dsm_ref = dsm_error(v_ema_ref if args.use_ema_ref else v_ref, v_target)
                         policy_loss, z = dgpo_loss(dsm, dsm_ref, adv[sl], args.group_size, args.dpo_beta)
                         kl = (
                             (v - v_ref).pow(2).flatten(1).mean(1).mean()
@@ -469,7 +503,6 @@ def main(args: Args):
                         )
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
-                        k += 1
                         for name, value in (
                             ("policy_loss", policy_loss),
                             ("kl_ref", kl),
@@ -478,32 +511,41 @@ def main(args: Args):
                             ("dsm", dsm.mean()),
                         ):
                             stats[name].append(value.item())
+                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                        k += 1
                         if k % per_step == 0:
-                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                            if grad_norm is None:  # non-finite: update skipped
-                                bad_steps += 1
-                                tqdm.write(
-                                    f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)"
+                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                            if grad_norm is not None:
+                                step += 1
+                                eval_ema.update(step)
+                                stats["grad_norm"].append(grad_norm)
+                                # ALGO LOGIC: ema_ref follows theta after each optimizer step, d from the steps before this one
+                                update_ema(
+                                    ema_ref,
+                                    params,
+                                    get_decay(
+                                        step - 1,
+                                        args.ema_ref_decay_start,
+                                        args.ema_ref_decay_flat_steps,
+                                        args.ema_ref_decay_ramp,
+                                        args.ema_ref_decay_max,
+                                    ),
                                 )
-                                if bad_steps >= 5:
-                                    save(epoch)
-                                    raise common.UserError(
-                                        "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
-                                    )
-                                continue
-                            # ALGO LOGIC: ema_ref follows theta after every optimizer step, d from the steps taken before
-                            update_ema(ema_ref, params, ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate))
-                            bad_steps, step = 0, step + 1
-                            eval_ema.update(step)
-                            stats["grad_norm"].append(grad_norm)
             ratios = stats.pop("ratio_mean")
             diagnostics = {
                 "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
-                "ema_ref_decay": ema_ref_decay(step, args.ema_ref_max_decay, args.ema_ref_ramp_rate),
+                "ema_ref_decay": get_decay(
+                    step,
+                    args.ema_ref_decay_start,
+                    args.ema_ref_decay_flat_steps,
+                    args.ema_ref_decay_ramp,
+                    args.ema_ref_decay_max,
+                ),
                 "reward_std_group": rewards.total(scores).view(-1, args.group_size).std(1, unbiased=False).mean().item(),
             }
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -531,7 +573,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

@@ -112,6 +112,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 5e-4
     """AdamW learning rate (paper, SD3.5-M: 3e-4); tiny-shapes on `shapes_clean`: 1.5e-3 lowered held-out exact by 0.074,
     5e-4 by 0.032 (3 seeds each, benchmark/results/shapes_clean/tuning.md)"""
@@ -178,6 +180,71 @@ class Args:
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
     """(computed in runtime)"""
+
+
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
@@ -313,67 +380,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -387,7 +414,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -395,8 +424,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
@@ -408,9 +436,7 @@ def main(args: Args):
             rollout = common.sample(
                 transformer,
                 pipe.scheduler,
-                embeds,
-                pooled,
-                neg=neg,
+                cond,
                 num_steps=args.num_steps,
                 noise=noise,
                 guidance_scale=args.guidance_scale,
@@ -433,7 +459,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores,
                 rewards.weights,
                 args.group_size,
@@ -453,12 +479,12 @@ def main(args: Args):
             for inner in range(args.num_inner_epochs):
                 k = 0
                 for mb in range(num_micro):  # contiguous micro-batches (prompts arrive in random order), as on any rank count
-                    idx = torch.arange(mb * args.micro_batch, (mb + 1) * args.micro_batch, device=device)
-                    cond, neg_mb = (embeds[idx], pooled[idx]), (neg[0][idx], neg[1][idx])
+                    sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    mb_cond = cond[sl]
                     for i in sde_steps:
-                        x, x_next = rollout.trajectory[idx, i], rollout.trajectory[idx, i + 1]
+                        x, x_next = rollout.trajectory[sl, i], rollout.trajectory[sl, i + 1]
                         with common.autocast(device, args.mixed_precision):
-                            v = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                            v = common.velocity(transformer, x, sigmas[i], mb_cond, args.guidance_scale)
                         # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
                         _, log_prob, mean, std = common.sde_step(
                             x,
@@ -471,17 +497,17 @@ def main(args: Args):
                             sigma_cap=float(sigmas[1]),
                             log_prob_form=args.log_prob_form,
                         )
-                        old_log_prob = rollout.log_probs[idx, i]
+                        old_log_prob = rollout.log_probs[sl, i]
                         if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
-                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[idx, i], std)
+                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[sl, i], std)
                             old_log_prob = torch.zeros_like(log_prob)
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
                             log_prob,
                             old_log_prob,
-                            adv[idx],
+                            adv[sl],
                             args.clip_low,
                             args.clip_high,
-                            None if weight is None else weight[idx],
+                            None if weight is None else weight[sl],
                         )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
@@ -492,7 +518,7 @@ def main(args: Args):
                                 common.reference_model(transformer),
                                 common.autocast(device, args.mixed_precision),
                             ):
-                                v_ref = common.velocity(transformer, x, sigmas[i], *cond, neg_mb, args.guidance_scale)
+                                v_ref = common.velocity(transformer, x, sigmas[i], mb_cond, args.guidance_scale)
                             if args.kl_type == "x":
                                 _, _, mean_ref, _ = common.sde_step(
                                     x,
@@ -507,10 +533,9 @@ def main(args: Args):
                                 kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
                             else:
                                 kl = (v - v_ref).pow(2).flatten(1).mean(1)
-                            kl = (kl if weight is None else weight[idx] * kl).mean()  # filtered samples leave the KL too
+                            kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
-                        k += 1
                         for name, value in (
                             ("policy_loss", policy_loss),
                             ("kl_ref", kl),
@@ -519,25 +544,18 @@ def main(args: Args):
                             ("ratio_mean", ratio.mean()),
                         ):
                             stats[name].append(value.item())
+                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                        k += 1
                         if k % per_step == 0:
-                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                            if grad_norm is None:  # non-finite: update skipped
-                                bad_steps += 1
-                                tqdm.write(
-                                    f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)"
-                                )
-                                if bad_steps >= 5:
-                                    save(epoch)
-                                    raise common.UserError(
-                                        "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
-                                    )
-                                continue
-                            bad_steps, step = 0, step + 1
-                            eval_ema.update(step)
-                            stats["grad_norm"].append(grad_norm)
+                            grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                            if grad_norm is not None:
+                                step += 1
+                                eval_ema.update(step)
+                                stats["grad_norm"].append(grad_norm)
             diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))), "sde_steps_mean": float(np.mean(sde_steps))}
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -565,7 +583,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

@@ -110,6 +110,8 @@ class Args:
         "to_add_out",
     )
     """module names that get LoRA adapters (SD3 joint-attention projections)"""
+
+    # Optimizer & batch
     learning_rate: float = 3e-3
     """AdamW learning rate (paper, SD3.5-M: 3e-4); higher than crd.py's 1e-3: one AdamW step per epoch (see docs)"""
     weight_decay: float = 1e-4
@@ -143,12 +145,15 @@ class Args:
     """divide each x0-space squared error by its own detached mean |error| (sec. 3.3); False: plain ||x0_hat - x0||^2"""
     off_policy: bool = True
     """roll out with the EMA "old" policy (paper, official code) instead of the current weights"""
-    decay_flat_steps: int = 0
-    """soft-update decay eta_i = 0 (hard copy) for the first this many optimizer steps i (paper OCR: 75)"""
-    decay_ramp: float = 0.02
-    """then eta_i = min(ramp (i - flat), max) (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
-    decay_max: float = 0.5
-    """eta_max, the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
+    old_decay_start: float = 0.0
+    """decay d of the old policy's soft update theta_old <- d theta_old + (1 - d) theta for the first
+    old_decay_flat_steps optimizer steps (0 = hard copy; paper: 0)"""
+    old_decay_flat_steps: int = 0
+    """then d_i = min(old_decay_start + old_decay_ramp (i - flat_steps), old_decay_max) (paper: 0; OCR: 75)"""
+    old_decay_ramp: float = 0.02
+    """increase of d per optimizer step (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
+    old_decay_max: float = 0.5
+    """the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
     kl_beta: float = 0.0
     """KL weight to the base model, kl_beta ||v - v_ref||^2 (official code: 1e-4; Flow-Factory example: 0)"""
 
@@ -157,27 +162,77 @@ class Args:
     """(computed in runtime)"""
 
 
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    elif std == "none":
+        scale = torch.ones_like(r[:, :1])
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
+
+
 # ALGO LOGIC: DiffusionNFT's math as small pure functions.
 # Conventions: sigma = 1 is noise, x_t = (1 - sigma) x0 + sigma eps, the velocity target is u = eps - x0 and the
 # x0 prediction of a velocity v is x0_hat = x_t - sigma v (so x0_hat - x0 = sigma (u - v)).
 def optimality_probability(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (Algorithm 1, line 5)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
-
-
-def old_decay(step: int, flat_steps: int, ramp: float, max_decay: float) -> float:
-    """Soft-update decay eta_i of the old policy: 0 for i < flat_steps, then min(ramp (i - flat_steps), max_decay).
-
-    eta = 0 is fully on-policy (fast, unstable), eta -> 1 nearly offline (stable, slow); the paper ramps from the
-    first to the second (sec. 3.3, Fig. 8; official code `return_decay`)."""
-    return 0.0 if step < flat_steps else min(ramp * (step - flat_steps), max_decay)
-
-
-def update_ema(ema, params, decay: float):
-    """theta_old <- eta theta_old + (1 - eta) theta (Algorithm 1, line 14); eta <= 0 is a hard copy."""
-    with torch.no_grad():
-        for e, p in zip(ema, params):
-            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
 
 
 def x0_regression(x0_hat, x0, adaptive: bool) -> torch.Tensor:
@@ -211,6 +266,21 @@ def nft_loss(v, v_old, x0, xt, sigma, r, beta: float, adaptive: bool):
     return (r * pos + (1 - r) * neg) / beta, pos.detach(), neg.detach()
 
 
+def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
+    """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
+    the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
+    if step < flat_steps:
+        return start
+    return min(start + ramp * (step - flat_steps), max_decay)
+
+
+def update_ema(ema, params, decay: float):
+    """ema <- d ema + (1 - d) theta, d clamped to [0, 1]: d = 0 is a hard copy of theta, d = 1 leaves the EMA frozen."""
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
+
+
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
@@ -222,8 +292,6 @@ def main(args: Args):
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.nft_beta <= 0:
         raise common.UserError(f"nft_beta ({args.nft_beta}) must be > 0: the loss is divided by it")
-    if not 0 <= args.decay_max <= 1 or args.decay_ramp < 0:
-        raise common.UserError(f"decay_max ({args.decay_max}) must lie in [0, 1] and decay_ramp ({args.decay_ramp}) be >= 0")
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -280,67 +348,27 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
-    start_epoch, step, images_seen = 0, 0, 0
-    if ckpt is not None:
-        common.load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
-        prompt_gen.set_state(ckpt["prompt_gen"])
-        common.set_rng_state(ckpt["rng"])
-        start_epoch, step, images_seen = ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
-    def save(epoch):
-        if dist.is_main:
-            common.save_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                {
-                    "params": common.trainable_state(named),
-                    "optimizer": optimizer.state_dict(),
-                    "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
-                    "eval_ema": eval_ema.state(),
-                    "prompt_gen": prompt_gen.get_state(),
-                    "rng": common.rng_state(),
-                    "epoch": epoch,
-                    "step": step,
-                    "images_seen": images_seen,
-                    "args": vars(args),
-                    "sampler": {
-                        "num_steps": args.num_steps,
-                        "guidance_scale": args.guidance_scale,
-                        "dynamics": args.dynamics,
-                        "eta": args.eta,
-                        "scheduler": dict(pipe.scheduler.config),
-                    },
-                },
-                keep=args.keep_checkpoints,
-            )
-            common.export_lora(
-                run_dir / "lora", pipe, transformer, args, __doc__, epoch, logger, **eval_ema.export()
-            )  # the model users load
-
-    def evaluate(epoch):
-        if dist.is_main:
-            with eval_ema.swapped():  # the EMA weights when --eval-ema-decay > 0
-                imgs, scores = common.evaluate(
-                    pipe,
-                    transformer,
-                    encoder,
-                    test_prompts,
-                    rewards.evaluate,
-                    num_steps=args.eval_num_steps or args.num_steps,
-                    guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
-                    seed=0,
-                    use_autocast=args.mixed_precision,
-                )
-            logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
-            logger.images("eval/images", imgs[:16], common.captions(test_prompts[:16], scores), images_seen)
-            return {k: v.mean().item() for k, v in scores.items()}
+    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
+        common.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            __doc__,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
 
     timer, stop = common.Timer(), common.GracefulStop()
-    bad_steps, stopped_at = 0, None
+    stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
@@ -354,7 +382,9 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(evaluate(epoch))
+            pbar.set_postfix(
+                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            )
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -362,16 +392,13 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            embeds, pooled = encoder(prompts)
-            neg = encoder.negative(len(prompts))
+            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
-                    embeds,
-                    pooled,
-                    neg=neg,
+                    cond,
                     num_steps=args.num_steps,
                     guidance_scale=args.guidance_scale,
                     dynamics=args.dynamics,
@@ -389,7 +416,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = common.aggregate_advantages(
+            adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx]
             r_opt = optimality_probability(adv, args.adv_clip).to(device)
@@ -405,7 +432,7 @@ def main(args: Args):
             train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                cond, neg_mb = (embeds[sl], pooled[sl]), (neg[0][sl], neg[1][sl])
+                mb_cond = cond[sl]
                 t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
                 for i in common.stratified_indices(eligible, args.num_train_timesteps, t_gen):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
@@ -414,19 +441,18 @@ def main(args: Args):
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.swapped_weights(params, ema):
-                            v_old = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                            v_old = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         v_ref = None
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                     with common.autocast(device, args.mixed_precision):
-                        v = common.velocity(transformer, xt, s, *cond, neg_mb, args.guidance_scale)
+                        v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                     loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
                     policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)
                     loss = policy_loss + args.kl_beta * kl
                     (loss / per_step).backward()
-                    k += 1
                     old_deviate = (v.detach() - v_old).pow(2).mean()  # how far the trained velocity is from the old one
                     for name, value in (
                         ("policy_loss", policy_loss),
@@ -436,31 +462,30 @@ def main(args: Args):
                         ("old_deviate", old_deviate),
                     ):
                         stats[name].append(value.item())
+                    # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                    k += 1
                     if k % per_step == 0:
-                        grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm)
-                        if grad_norm is None:  # non-finite: update skipped
-                            bad_steps += 1
-                            tqdm.write(f"warning: non-finite gradient at step {step}, update skipped ({bad_steps} in a row)")
-                            if bad_steps >= 5:
-                                save(epoch)
-                                raise common.UserError(
-                                    "5 non-finite updates in a row; checkpoint saved, lower the learning rate"
-                                )
-                            continue
-                        bad_steps, step = 0, step + 1
-                        eval_ema.update(step)
-                        stats["grad_norm"].append(grad_norm)
+                        grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                        if grad_norm is not None:
+                            step += 1
+                            eval_ema.update(step)
+                            stats["grad_norm"].append(grad_norm)
 
-            # ALGO LOGIC: soft update of the old policy once per epoch, its decay indexed by the optimizer step (official code)
+            # ALGO LOGIC: soft update of the old policy once per epoch (Algorithm 1, line 14), its decay indexed by the
+            # optimizer step: d = 0 is fully on-policy (fast, unstable), d -> 1 nearly offline (stable, slow); the paper
+            # ramps from the first to the second (sec. 3.3, Fig. 8; official code `return_decay`)
             flat_groups = rewards.total(scores).view(-1, args.group_size).std(1) < 1e-8  # r = 0.5 for the whole group
             diagnostics = {
-                "old_decay": old_decay(step, args.decay_flat_steps, args.decay_ramp, args.decay_max),
+                "old_decay": get_decay(
+                    step, args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max
+                ),
                 "zero_std_ratio": flat_groups.float().mean().item(),
                 "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item(),
             }
             update_ema(ema, params, diagnostics["old_decay"])
 
         # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
         times = timer.pop()
         reward_total = rewards.total(scores)
         metrics = {
@@ -488,7 +513,7 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = evaluate(args.num_epochs)
+        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
         print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")

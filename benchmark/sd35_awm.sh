@@ -27,6 +27,6 @@ torchrun --nproc-per-node 8 algos/awm.py \
   --num-prompts 24 --group-size 24 --micro-batch 6 --grad-steps-per-epoch 1 \
   --num-train-timesteps 6 --timestep-range 0.6 --adv-clip 5 --advantage-max 1 --advantage-std global \
   --weighting ghuber --ghuber-power 0.25 --clip-low 1 --clip-high 1 \
-  --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay 0.3 --ema-decay-ramp 0.001 \
+  --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay-max 0.3 --ema-decay-ramp 0.001 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0.99 \
   --num-epochs 1000 --eval-every 50 --save-every 50 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

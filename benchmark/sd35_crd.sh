@@ -27,7 +27,8 @@ torchrun --nproc-per-node 8 algos/crd.py \
   --num-prompts 48 --group-size 24 --micro-batch 24 --grad-steps-per-epoch 2 \
   --num-train-timesteps 20 --timestep-range 0.99 --adv-clip 5 --advantage-std global \
   --crd-beta 1.0 --loss-type mse --weight-temp -1 --centering group \
-  --old-model-decay 0-0.25-0.005-0.999 --sampling-model-decay 75-0.0-0.0075-0.999 \
+  --old-decay-start 0.25 --old-decay-flat-steps 0 --old-decay-ramp 0.005 --old-decay-max 0.999 \
+  --sampling-decay-start 0 --sampling-decay-flat-steps 75 --sampling-decay-ramp 0.0075 --sampling-decay-max 0.999 \
   --kl-beta 0.1 --kl-cfg 4.5 --kl-adaptive batch --kl-floor 1e-4 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0 \
   --num-epochs 1000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

@@ -11,7 +11,7 @@ DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
 case "${TASK:-pickscore}" in
   pickscore) TASK_FLAGS=() ;;
-  ocr) TASK_FLAGS=(--reward ocr --nft-beta 0.1 --decay-flat-steps 75 --decay-ramp 0.0075 --decay-max 0.999 --grad-steps-per-epoch 2) ;;
+  ocr) TASK_FLAGS=(--reward ocr --nft-beta 0.1 --old-decay-flat-steps 75 --old-decay-ramp 0.0075 --old-decay-max 0.999 --grad-steps-per-epoch 2) ;;
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 torchrun --nproc-per-node 8 algos/nft.py \
@@ -19,6 +19,6 @@ torchrun --nproc-per-node 8 algos/nft.py \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --num-prompts 48 --group-size 24 --micro-batch 9 \
   --grad-steps-per-epoch 1 --num-steps 10 --num-train-timesteps 9 --timestep-range 0.99 \
-  --nft-beta 1.0 --decay-ramp 0.001 --decay-max 0.5 --kl-beta 1e-4 \
+  --nft-beta 1.0 --old-decay-ramp 0.001 --old-decay-max 0.5 --kl-beta 1e-4 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0.9 \
   --num-epochs 2000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

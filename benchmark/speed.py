@@ -145,14 +145,14 @@ def components(repeats: int) -> str:
             p.normal_(0, 0.02)
     dtype_ms = timeit.timeit(lambda: transformer.dtype, number=200) / 200 * 1e3
     prompts = (common.load_prompts(common.TEST_PROMPTS) * 2)[:32]
-    embeds, pooled = common.PromptEncoder(pipe)(prompts)
+    cond = common.PromptEncoder(pipe).cond(prompts, negative=False)
     x = torch.randn(32, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     sigma = torch.full((32,), 0.6)
     layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
 
     @torch.no_grad()
     def forward():
-        return common.velocity(transformer, x, sigma, embeds, pooled)
+        return common.velocity(transformer, x, sigma, cond)
 
     def merged():
         for m in layers:

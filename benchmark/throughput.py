@@ -44,13 +44,10 @@ def main():
 
     def ours(g):
         enc = common.PromptEncoder(pipe)  # fresh: no cached embeddings, like the pipeline call
-        embeds, pooled = enc(prompts)
         out = common.sample(
             pipe.transformer,
             pipe.scheduler,
-            embeds,
-            pooled,
-            neg=enc.negative(len(prompts)),
+            enc.cond(prompts),
             num_steps=args.num_steps,
             guidance_scale=g,
             noise=noise,

@@ -122,13 +122,10 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
     import common
 
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(prompts)
     out = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds,
-        pooled,
-        neg=enc.negative(len(prompts)),
+        enc.cond(prompts),
         num_steps=steps,
         guidance_scale=guidance_scale,
         noise=noise,

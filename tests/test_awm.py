@@ -125,9 +125,9 @@ def test_velocity_kl_and_ema():
     v, w = _rand(3, 2, 2, seed=11), _rand(3, 2, 2, seed=12)
     expected = np.mean([np.mean((v[i].numpy() - w[i].numpy()) ** 2) for i in range(3)])
     assert awm.velocity_kl(v, w).item() == pytest.approx(expected)
-    assert awm.ema_decay(0, 0.3, 0.001) == 0.0
-    assert awm.ema_decay(100, 0.3, 0.001) == pytest.approx(0.1)
-    assert awm.ema_decay(10_000, 0.3, 0.001) == 0.3
+    assert awm.get_decay(0, 0.0, 0, 0.001, 0.3) == 0.0
+    assert awm.get_decay(100, 0.0, 0, 0.001, 0.3) == pytest.approx(0.1)
+    assert awm.get_decay(10_000, 0.0, 0, 0.001, 0.3) == 0.3
     p = [torch.tensor([1.0, 2.0])]
     for d, expected in ((0.0, [1.0, 2.0]), (1.0, [0.0, 0.0]), (0.25, [0.75, 1.5])):
         e = [torch.zeros(2)]

@@ -136,14 +136,11 @@ def test_mse_log_prob_is_the_cps_surrogate():
 def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     """GRPO's old log-probs come from the rollout; re-scoring the stored trajectory must give them back exactly."""
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
-    neg = enc.negative(len(PROMPTS))
+    cond = enc.cond(PROMPTS)
     out = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds,
-        pooled,
-        neg=neg,
+        cond,
         num_steps=5,
         guidance_scale=3.0,
         dynamics="Flow-SDE",
@@ -157,7 +154,7 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
     for i in (1, 3):
         x = out.trajectory[:, i]
         with torch.no_grad():
-            v = common.velocity(pipe.transformer, x, out.sigmas[i], embeds, pooled, neg, 3.0)
+            v = common.velocity(pipe.transformer, x, out.sigmas[i], cond, 3.0)
         _, logp, _, _ = common.sde_step(
             x,
             v,
@@ -175,60 +172,23 @@ def test_rollout_log_probs_are_reproduced_by_rescoring(pipe):
 @pytest.mark.parametrize("dynamics", ["CPS", "Flow-SDE", "Dance-SDE"])
 def test_zero_noise_level_equals_ode(pipe, dynamics):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     kw = dict(num_steps=4, noise=torch.randn(3, 4, 16, 16, generator=torch.Generator().manual_seed(4)))
-    ode = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics="ODE", **kw)
-    sde = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, dynamics=dynamics, eta=0.0, **kw)
+    ode = common.sample(pipe.transformer, pipe.scheduler, cond, dynamics="ODE", **kw)
+    sde = common.sample(pipe.transformer, pipe.scheduler, cond, dynamics=dynamics, eta=0.0, **kw)
     torch.testing.assert_close(sde.latents, ode.latents, atol=1e-6, rtol=1e-6)
 
 
 def test_sampler_is_deterministic_given_a_generator(pipe):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
 
     def run(seed):
         gen = torch.Generator().manual_seed(seed)
-        return common.sample(
-            pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=4, dynamics="Dance-SDE", generator=gen
-        ).latents
+        return common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=4, dynamics="Dance-SDE", generator=gen).latents
 
     torch.testing.assert_close(run(5), run(5), atol=0, rtol=0)
     assert not torch.allclose(run(5), run(6))
-
-
-def _np_advantages(r, k, std, loo, clip):
-    r = np.asarray(r, dtype=np.float64).reshape(-1, k)
-    out = np.zeros_like(r)
-    for g in range(r.shape[0]):
-        for i in range(k):
-            base = (r[g].sum() - r[g, i]) / (k - 1) if loo else r[g].mean()
-            scale = {"group": r[g].std() + 1e-4, "global": r.std() + 1e-4, "none": 1.0}[std]  # flow_grpo's + 1e-4
-            out[g, i] = 0.0 if r[g].std() < 1e-8 else (r[g, i] - base) / scale
-    return np.clip(out, -clip, clip).ravel() if clip else out.ravel()
-
-
-@pytest.mark.parametrize("std", ["group", "global", "none"])
-@pytest.mark.parametrize("loo", [False, True])
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_group_advantages_match_numpy(std, loo, clip):
-    rng = np.random.default_rng(0)
-    r = rng.normal(size=12)
-    r[4:8] = 0.3  # a zero-variance group -> advantage 0
-    adv = common.group_advantages(torch.tensor(r), 4, std=std, leave_one_out=loo, clip=clip)
-    np.testing.assert_allclose(adv.numpy(), _np_advantages(r, 4, std, loo, clip), atol=1e-6)
-    assert torch.isfinite(adv).all() and (adv[4:8] == 0).all()
-
-
-def test_near_flat_group_gets_near_zero_advantages():
-    """Rewards equal up to float32 rounding must not become +-1 advantages (a 1e-8 floor made them exactly that)."""
-    base = torch.tensor([0.7, 0.7, 0.7, 0.7, 0.1, 0.9, 0.4, 0.6])
-    r = base.clone()
-    r[1] = torch.nextafter(r[1], torch.tensor(1.0))  # one float32 ulp (6e-8) apart
-    adv = common.group_advantages(r, 4)
-    assert adv[:4].abs().max() < 1e-3
-    # a real spread is barely touched by the eps: std 0.29 -> relative change 3e-4
-    rest = base[4:].double()
-    torch.testing.assert_close(adv[4:].double(), (rest - rest.mean()) / (rest.std(unbiased=False) + 1e-4), atol=1e-6, rtol=0)
 
 
 def test_group_prompts_layout_and_determinism():
@@ -331,9 +291,9 @@ def test_missing_model_path_is_one_clear_line(tmp_path):
 
 def test_unknown_dynamics_is_one_clear_line(pipe):
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     with pytest.raises(common.UserError, match="unknown dynamics 'SDE'.*ODE, Flow-SDE, Dance-SDE, CPS"):
-        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, dynamics="SDE")
+        common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=2, dynamics="SDE")
 
 
 def test_load_prompts_txt_jsonl_and_errors(tmp_path):
@@ -357,15 +317,15 @@ def test_lora_starts_at_base_and_reference_disables_it(pipe):
     assert params and all(p.requires_grad and p.dtype == torch.float32 for p in params)
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS[:2])
+    cond = enc.cond(PROMPTS[:2], negative=False)
     with torch.no_grad():
-        base = common.velocity(pipe.transformer, x, 0.5, embeds, pooled)
-        torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)  # LoRA B = 0 at init
+        base = common.velocity(pipe.transformer, x, 0.5, cond)
+        torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond), base)  # LoRA B = 0 at init
         for p in params:
             p.add_(0.05)
-        assert not torch.allclose(common.velocity(transformer, x, 0.5, embeds, pooled), base)
+        assert not torch.allclose(common.velocity(transformer, x, 0.5, cond), base)
         with common.reference_model(transformer):
-            torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled), base)
+            torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond), base)
 
 
 def test_checkpoints_keep_the_last_n(tmp_path):
@@ -487,11 +447,11 @@ def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_di
         for p in params:  # LoRA B starts at 0: move it so every LoRA weight gets a gradient
             p.add_(0.05)
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond_neg = enc.cond(PROMPTS)
     x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
 
     def loss_and_grads():  # guidance 3.5: SD3's two-pass CFG, FLUX's guidance embedding
-        loss = common.velocity(pipe.transformer, x, 0.6, embeds, pooled, enc.negative(len(PROMPTS)), 3.5).pow(2).mean()
+        loss = common.velocity(pipe.transformer, x, 0.6, cond_neg, 3.5).pow(2).mean()
         grads = torch.autograd.grad(loss, params)
         return loss.detach(), grads
 
@@ -558,26 +518,53 @@ def test_keyed_noise_depends_on_the_key_not_on_the_batch():
 def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     """sample() with one generator per sample: each row's initial and step noise follow only its own key."""
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = enc.cond(PROMPTS, negative=False)
     kw = dict(num_steps=4, dynamics="Flow-SDE", eta=0.7, latent_shape=pipe.latent_shape)
     full = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds,
-        pooled,
+        cond,
         generator=common.keyed_generators(0, 0, "rollout", indices=[0, 1, 2]),
         **kw,
     )
     last = common.sample(
         pipe.transformer,
         pipe.scheduler,
-        embeds[2:],
-        pooled[2:],
+        cond[2:],
         generator=common.keyed_generators(0, 0, "rollout", indices=[2]),
         **kw,
     )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_old_checkpoint_args_are_read_under_todays_names():
+    """Checkpoints written before the decay schedules became `<snapshot>_decay_*` fields resume with their settings."""
+    nft = common.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3})
+    assert nft == {"old_decay_flat_steps": 2, "old_decay_ramp": 0.3, "old_decay_max": 0.4, "seed": 3}
+    assert common.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}) == {
+        "ema_decay_max": 0.2,
+        "ema_decay_ramp": 0.01,
+    }
+    dgpo = common.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1})
+    assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1}
+    crd = common.upgrade_saved_args({"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"})
+    assert [crd[f"old_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.25, 0, 0.005, 0.999]
+    assert [crd[f"sampling_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.0, 75, 0.0075, 0.999]
+    assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
+    with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
+        common.upgrade_saved_args({"old_model_decay": "medium"})
+
+
+def test_cond_slices_every_field_and_carries_the_negative(pipe):
+    enc = common.PromptEncoder(pipe)
+    cond, plain = enc.cond(PROMPTS), enc.cond(PROMPTS, negative=False)
+    embeds, pooled = enc(PROMPTS)
+    neg_embeds, neg_pooled = enc.negative(len(PROMPTS))
+    part = cond[1:]
+    for got, full in zip((part.embeds, part.pooled, *part.neg), (embeds, pooled, neg_embeds, neg_pooled)):
+        torch.testing.assert_close(got, full[1:], rtol=0, atol=0)
+    assert plain.neg is None and plain[torch.tensor([0, 2])].neg is None and plain[torch.tensor([0, 2])].embeds.shape[0] == 2
 
 
 def toy_reward(images, prompts):
@@ -590,10 +577,8 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
     blocking for another batch size; on tiny-shapes 4 x 16 vs 64 is bit-identical), and the Scorer's images and rewards
     are those of the rollout's latents, whether scored in a worker thread per chunk or after sampling."""
     prompts = PROMPTS + ["two circles"]
-    enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(prompts)
+    cond = common.PromptEncoder(pipe).cond(prompts)
     kw = dict(
-        neg=enc.negative(len(prompts)),
         num_steps=4,
         guidance_scale=2.0,
         dynamics="Flow-SDE",
@@ -606,12 +591,10 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
     def gens():
         return common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
 
-    full = common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), **kw)
+    full = common.sample(pipe.transformer, pipe.scheduler, cond, generator=gens(), **kw)
     for chunk in (3, None):  # the worker thread on chunks of 3 (then 1); the whole batch after sampling
         scorer = common.Scorer(pipe, toy_reward, prompts, chunk)
-        out = common.sample(
-            pipe.transformer, pipe.scheduler, embeds, pooled, generator=gens(), chunk=chunk, on_chunk=scorer, **kw
-        )
+        out = common.sample(pipe.transformer, pipe.scheduler, cond, generator=gens(), chunk=chunk, on_chunk=scorer, **kw)
         for name in ("latents", "sigmas", "trajectory", "log_probs", "sde_mask", "means"):
             torch.testing.assert_close(getattr(out, name), getattr(full, name), rtol=1e-5, atol=1e-5, msg=name)
         images, scores = scorer.result()
@@ -622,7 +605,7 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
         )
     assert torch.equal(out.latents, full.latents)  # chunk None is the path without a Scorer
     with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
-        common.sample(pipe.transformer, pipe.scheduler, embeds, pooled, generator=torch.Generator(), chunk=2, **kw)
+        common.sample(pipe.transformer, pipe.scheduler, cond, generator=torch.Generator(), chunk=2, **kw)
 
 
 def test_a_slow_reward_is_helped_by_the_main_thread_in_order(pipe, monkeypatch):
@@ -639,14 +622,12 @@ def test_a_slow_reward_is_helped_by_the_main_thread_in_order(pipe, monkeypatch):
         time.sleep(0.2)
         return toy_reward(images, prompts_)
 
-    embeds, pooled = common.PromptEncoder(pipe)(prompts)
+    cond = common.PromptEncoder(pipe).cond(prompts)
     decoded_in, decode = [], common.decode
     monkeypatch.setattr(common, "decode", lambda *a: decoded_in.append(threading.current_thread().name) or decode(*a))
     gens = common.keyed_generators(0, 0, "rollout", indices=range(4))
     scorer = common.Scorer(pipe, slow, prompts, 1)
-    rollout = common.sample(
-        pipe.transformer, pipe.scheduler, embeds, pooled, num_steps=2, generator=gens, chunk=1, on_chunk=scorer
-    )
+    rollout = common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=2, generator=gens, chunk=1, on_chunk=scorer)
     images, scores = scorer.result()
     assert "MainThread" in decoded_in and decoded_in[0].startswith("reward")  # the first chunk: in the worker
     assert [c[0] for c in calls] == prompts and all(c[1].startswith("reward") for c in calls)
@@ -662,15 +643,13 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
     def bad(images, prompts):
         raise common.UserError("reward 'bad' returned NaN")
 
-    enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS)
+    cond = common.PromptEncoder(pipe).cond(PROMPTS)
     scorer = common.Scorer(pipe, bad, PROMPTS, 1 if overlap else None)
     with pytest.raises(common.UserError, match="returned NaN"):
         common.sample(
             pipe.transformer,
             pipe.scheduler,
-            embeds,
-            pooled,
+            cond,
             num_steps=2,
             generator=common.keyed_generators(0, 0, "rollout", indices=range(3)),
             latent_shape=pipe.latent_shape,
@@ -698,9 +677,9 @@ def test_compiled_blocks_give_the_eager_velocity_loss_and_gradients(random_pipel
         names = [n for n, p in pipe.transformer.named_parameters() if p.requires_grad]
         if compiled:
             assert common.compile_transformer(pipe.transformer) == len(pipe.transformer.transformer_blocks)
-        embeds, pooled = common.PromptEncoder(pipe)(PROMPTS)
+        cond = common.PromptEncoder(pipe).cond(PROMPTS, negative=False)
         x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
-        v = common.velocity(pipe.transformer, x, torch.tensor([0.9, 0.5, 0.2]), embeds, pooled)
+        v = common.velocity(pipe.transformer, x, torch.tensor([0.9, 0.5, 0.2]), cond)
         loss = (v - x).pow(2).mean()
         loss.backward()
         results.append((names, v.detach(), loss.detach(), [p.grad for p in params]))

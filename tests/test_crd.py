@@ -7,27 +7,28 @@ import pytest
 import torch
 from conftest import run_script
 
-import common
 from algos import crd
 
 
 def test_snapshot_decay_schedules():
-    assert crd.snapshot_decay("0-0.25-0.005-0.999", 0) == 0.25
-    assert crd.snapshot_decay("0-0.25-0.005-0.999", 100) == pytest.approx(0.75)
-    assert crd.snapshot_decay("0-0.25-0.005-0.999", 500) == 0.999
-    assert crd.snapshot_decay("75-0.0-0.0075-0.999", 74) == 0.0
-    assert crd.snapshot_decay("75-0.0-0.0075-0.999", 100) == pytest.approx(0.1875)
-    assert crd.snapshot_decay("medium", 100) == pytest.approx(0.1875)
-    assert crd.snapshot_decay("offline", 7) == 1.0
-    with pytest.raises(Exception, match="start_step-start_value-slope-end_value"):
-        crd.snapshot_decay("0.5", 1)
+    """The paper's two schedules (the defaults): old 0.25 + 0.005 i up to 0.999; sampling 0 for 75 steps, then a ramp."""
+    args = crd.Args()
+    old = (args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max)
+    sampling = (args.sampling_decay_start, args.sampling_decay_flat_steps, args.sampling_decay_ramp, args.sampling_decay_max)
+    assert old == (0.25, 0, 0.005, 0.999) and sampling == (0.0, 75, 0.0075, 0.999)
+    assert crd.get_decay(0, *old) == 0.25
+    assert crd.get_decay(100, *old) == pytest.approx(0.75)
+    assert crd.get_decay(500, *old) == 0.999
+    assert crd.get_decay(74, *sampling) == 0.0
+    assert crd.get_decay(100, *sampling) == pytest.approx(0.1875)
+    assert crd.get_decay(7, 1.0, 0, 0.0, 1.0) == 1.0  # frozen
 
 
-def test_update_snapshot_copy_frozen_and_mix():
+def test_update_ema_copy_frozen_and_mix():
     p = [torch.tensor([1.0, 2.0])]
     for d, expected in ((0.0, [1.0, 2.0]), (1.0, [0.0, 0.0]), (0.25, [0.75, 1.5]), (-1.0, [1.0, 2.0])):
         s = [torch.zeros(2)]
-        crd.update_snapshot(s, p, d)
+        crd.update_ema(s, p, d)
         assert s[0].tolist() == pytest.approx(expected)
 
 
@@ -126,7 +127,7 @@ def group_rewards(level: float, groups: int = 8, k: int = 8):
     """Rewards of `groups` prompts x K images around a mean `level`, and their [0, 1]-mapped group advantages."""
     g = torch.Generator().manual_seed(1)
     r = (level + 0.1 * torch.randn(groups * k, generator=g)).clamp(0, 1)
-    return r, crd.advantage_to_unit(common.group_advantages(r, k, "global", clip=5.0), 5.0)
+    return r, crd.advantage_to_unit(crd.group_advantages(r, k, "global", clip=5.0), 5.0)
 
 
 @pytest.mark.parametrize("mode", ["batch", "sample"])

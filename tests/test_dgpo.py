@@ -113,9 +113,9 @@ def test_group_noise_shared_within_groups_only():
 
 
 def test_ema_ref_decay_and_update():
-    assert dgpo.ema_ref_decay(0, 0.3, 1e-3) == 0.0
-    assert dgpo.ema_ref_decay(100, 0.3, 1e-3) == pytest.approx(0.1)
-    assert dgpo.ema_ref_decay(10_000, 0.3, 1e-3) == 0.3
+    assert dgpo.get_decay(0, 0.0, 0, 1e-3, 0.3) == 0.0
+    assert dgpo.get_decay(100, 0.0, 0, 1e-3, 0.3) == pytest.approx(0.1)
+    assert dgpo.get_decay(10_000, 0.0, 0, 1e-3, 0.3) == 0.3
     for d, expected in ((0.0, [1.0, 2.0]), (1.0, [5.0, 5.0]), (0.3, [0.3 * 5 + 0.7 * 1, 0.3 * 5 + 0.7 * 2])):
         ema = [torch.tensor([5.0, 5.0])]
         dgpo.update_ema(ema, [torch.tensor([1.0, 2.0])], d)

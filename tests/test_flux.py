@@ -69,12 +69,12 @@ def test_ode_sampler_matches_flux_pipeline(pipes, variant, guidance_scale):
 def test_guidance_embedding_is_used_and_cfg_is_never_doubled(pipes):
     pipe = pipes["dev"]
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS[:2])
+    cond, cond_neg = enc.cond(PROMPTS[:2], negative=False), enc.cond(PROMPTS[:2])
     x = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        v1 = common.velocity(pipe.transformer, x, 0.7, embeds, pooled, enc.negative(2), 1.0)
-        v35 = common.velocity(pipe.transformer, x, 0.7, embeds, pooled, enc.negative(2), 3.5)
-        v35_no_neg = common.velocity(pipe.transformer, x, 0.7, embeds, pooled, None, 3.5)  # SD3 would need neg here
+        v1 = common.velocity(pipe.transformer, x, 0.7, cond_neg, 1.0)
+        v35 = common.velocity(pipe.transformer, x, 0.7, cond_neg, 3.5)
+        v35_no_neg = common.velocity(pipe.transformer, x, 0.7, cond, 3.5)  # SD3 would need neg here
     assert not torch.allclose(v1, v35)
     torch.testing.assert_close(v35, v35_no_neg, rtol=0, atol=0)
 
@@ -100,16 +100,16 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
     assert any(n.startswith("single_transformer_blocks.") for n in wrapped)  # single blocks: to_q/k/v (no to_out there)
     assert {n.rsplit("attn.", 1)[1] for n in wrapped} == set(targets)
     enc = common.PromptEncoder(pipe)
-    embeds, pooled = enc(PROMPTS[:2])
+    cond = enc.cond(PROMPTS[:2], negative=False)
     x = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        base = common.velocity(pipe.transformer, x, 0.5, embeds, pooled, None, 3.5)
-        torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled, None, 3.5), base)
+        base = common.velocity(pipe.transformer, x, 0.5, cond, 3.5)
+        torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond, 3.5), base)
         for p in params:
             p.add_(0.05)
-        assert not torch.allclose(common.velocity(transformer, x, 0.5, embeds, pooled, None, 3.5), base)
+        assert not torch.allclose(common.velocity(transformer, x, 0.5, cond, 3.5), base)
         with common.reference_model(transformer):
-            torch.testing.assert_close(common.velocity(transformer, x, 0.5, embeds, pooled, None, 3.5), base)
+            torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond, 3.5), base)
 
 
 def test_nft_runs_on_flux(flux_pipeline_dirs, tmp_path):

@@ -15,9 +15,11 @@ def test_optimality_probability():
 
 
 def test_old_decay_schedules():
-    # the paper's default eta_i = min(0.001 i, 0.5) and its OCR schedule (0 for 75 steps, then min(0.0075 (i - 75), 0.999))
-    assert [nft.old_decay(i, 0, 0.001, 0.5) for i in (0, 1, 100, 499, 5000)] == pytest.approx([0.0, 0.001, 0.1, 0.499, 0.5])
-    assert [nft.old_decay(i, 75, 0.0075, 0.999) for i in (0, 74, 75, 100, 1000)] == pytest.approx([0, 0, 0, 0.1875, 0.999])
+    # the paper's default d_i = min(0.001 i, 0.5) and its OCR schedule (0 for 75 steps, then min(0.0075 (i - 75), 0.999))
+    got = [nft.get_decay(i, 0.0, 0, 0.001, 0.5) for i in (0, 1, 100, 499, 5000)]
+    assert got == pytest.approx([0.0, 0.001, 0.1, 0.499, 0.5])
+    got = [nft.get_decay(i, 0.0, 75, 0.0075, 0.999) for i in (0, 74, 75, 100, 1000)]
+    assert got == pytest.approx([0, 0, 0, 0.1875, 0.999])
 
 
 def test_update_ema():

@@ -2,6 +2,7 @@
 
 import ast
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -10,21 +11,33 @@ ALGOS = sorted((Path(__file__).resolve().parents[1] / "algos").glob("*.py"))
 
 
 def shared_blocks(path: Path) -> list:
-    """The text of every `# TRY NOT TO MODIFY:` block, up to the next banner or section comment."""
+    """The text of every `# TRY NOT TO MODIFY:` block, up to the next banner or section comment or the end of the banner's
+    indentation level, dedented: the optimizer-step block sits one loop deeper in the files with inner epochs."""
     lines = path.read_text().splitlines()
-    blocks, current = [], None
+    blocks, current, indent = [], None, 0
     for line in lines:
         stripped = line.strip()
         if stripped.startswith("# TRY NOT TO MODIFY"):
-            current = [line]
+            current, indent = [line], len(line) - len(line.lstrip())
             blocks.append(current)
         elif current is not None and (
-            stripped.startswith("# ALGO LOGIC") or stripped.startswith("# ----") or line.startswith("def ")
+            stripped.startswith("# ALGO LOGIC")
+            or stripped.startswith("# ----")
+            or line.startswith("def ")
+            or (stripped and len(line) - len(line.lstrip()) < indent)
         ):
             current = None
         elif current is not None:
             current.append(line)
-    return ["\n".join(b).rstrip() for b in blocks]
+    return [textwrap.dedent("\n".join(b)).rstrip() for b in blocks]
+
+
+def test_the_shared_plumbing_is_under_banners():
+    """The loop's shared pieces -- resume and save, the optimizer step with its non-finite-gradient guard, the logging
+    block -- are inside `# TRY NOT TO MODIFY:` blocks, so the identity test below covers them."""
+    text = "\n".join(shared_blocks(ALGOS[0]))
+    for piece in ("common.restore_state(", "common.save_state(", "common.apply_gradients(", "logger.scalars(metrics"):
+        assert piece in text, piece
 
 
 def test_all_five_algorithms_exist():
@@ -51,3 +64,42 @@ def test_every_flag_is_documented(path):
             nxt = body[i + 1] if i + 1 < len(body) else None
             assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), f"{path.name}: {node.target.id}"
     assert re.search(r"arXiv \d{4}\.\d{5}", path.read_text().split('"""')[1]), "module docstring cites the arXiv id"
+
+
+def top_level_sources(path: Path) -> dict:
+    """{name: source} of the module's top-level functions and assignments."""
+    text = path.read_text()
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = ast.get_source_segment(text, node)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = ast.get_source_segment(text, node)
+    return out
+
+
+# the math the algorithms share: the group-relative advantage (all five), the snapshot/EMA decay schedule and update
+# (the four with a snapshot); each file holds its own copy, so a reader sees it, and the copies must not drift
+SHARED_MATH = {
+    "STD_EPS": {"awm", "crd", "dgpo", "grpo", "nft"},
+    "group_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
+    "aggregate_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
+    "get_decay": {"awm", "crd", "dgpo", "nft"},
+    "update_ema": {"awm", "crd", "dgpo", "nft"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_MATH))
+def test_shared_math_is_identical_where_the_algorithms_agree(name):
+    sources = {p.stem: top_level_sources(p).get(name) for p in ALGOS}
+    have = {stem for stem, src in sources.items() if src is not None}
+    assert have >= SHARED_MATH[name], f"{name} missing from {sorted(SHARED_MATH[name] - have)}"
+    reference = sources[min(SHARED_MATH[name])]
+    for stem in sorted(have):
+        assert sources[stem] == reference, f"algos/{stem}.py: {name} differs from algos/{min(SHARED_MATH[name])}.py"
+
+
+def test_common_holds_no_advantage_math():
+    """STYLE.md: the advantage is the algorithm, so it lives in the algorithm files, not in the plumbing."""
+    names = top_level_sources(Path(__file__).resolve().parents[1] / "common.py")
+    assert not {"STD_EPS", "group_advantages", "aggregate_advantages"} & set(names)
