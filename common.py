@@ -998,10 +998,11 @@ class Scorer:
     whole batch at once and `result()` decodes and scores it (on a GPU a small micro-batch may sample slower in chunks
     than the overlap saves). Either way the numbers are those of one batch: each sample's noise is keyed to it, and the
     transformer, VAE and rewards treat the samples of a batch apart (to float rounding in the kernels' choice of blocking
-    for a batch size; on tiny-shapes 4 x 16 and 64 samples are bit-identical). One worker thread, so the reward is never
-    called twice at once, in sample order. On the CPU torch and onnxruntime release the GIL, so the worker uses a second
-    core; on a GPU both threads queue kernels on the device. A reward error is raised in the caller, at the next chunk or
-    at `result()`."""
+    for a batch size; on tiny-shapes 4 x 16 and 64 samples are bit-identical). One worker thread, so the reward is called
+    once at a time, in sample order -- except that once sampling is over, a reward marked `thread_safe` (OCR, shapes)
+    also runs in the main thread on the last waiting chunks, so a reward slower than sampling (OCR) uses both cores for
+    its tail. On the CPU torch and onnxruntime release the GIL, so the worker uses a second core; on a GPU both threads
+    queue kernels on the device. A reward error is raised in the caller, at the next chunk or at `result()`."""
 
     def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], chunk: Optional[int] = None):
         self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
@@ -1047,10 +1048,16 @@ class Scorer:
                 # sampling is over and the main thread would only wait: it decodes the chunks the worker has not
                 # started, and the worker scores them, in order (when the reward is slower than sampling, e.g. OCR)
                 waiting = [k for k, job in enumerate(self.jobs) if job.cancel()]
+                # a reward that may run in two threads at once (`thread_safe`, e.g. OCR): the main thread scores the
+                # second half of the waiting chunks itself, beside the worker; each chunk's numbers are the same
+                mine = waiting[(len(waiting) + 1) // 2 :] if getattr(self.reward_fn, "thread_safe", False) else []
                 for k in waiting:
-                    latents, sl = self.chunks[k]
-                    self.jobs[k] = self.pool.submit(self._reward, self._decode(latents), sl)
-                parts = [job.result() for job in self.jobs]
+                    if k not in mine:
+                        latents, sl = self.chunks[k]
+                        self.jobs[k] = self.pool.submit(self._reward, self._decode(latents), sl)
+                for k in mine:
+                    self.jobs[k] = self._score(*self.chunks[k])
+                parts = [job if isinstance(job, tuple) else job.result() for job in self.jobs]
         finally:
             if self.pool is not None:
                 self.pool.shutdown(cancel_futures=True)

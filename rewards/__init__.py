@@ -57,6 +57,8 @@ class MultiReward:
     def __init__(self, weights: Dict[str, float], device):
         self.weights = weights
         self.fns = {name: REWARDS[name](device) for name in weights}
+        # every reward may run in two threads at once (common.Scorer then scores the last chunks in two threads)
+        self.thread_safe = all(getattr(fn, "thread_safe", False) for fn in self.fns.values())
 
     def __call__(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
         out = {}

@@ -10,6 +10,7 @@ classifier, text lines with recognition confidence < 0.5 dropped, the kept lines
 Optional dependencies: `pip install -r rewards/requirements-ocr.txt`.
 """
 
+import queue
 import re
 from pathlib import Path
 from typing import Callable, Optional
@@ -63,22 +64,31 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
 
     models = Path(rapidocr.__file__).parent / "models"  # the wheel's ONNX files: given as paths, nothing is downloaded
     threads = torch.get_num_threads()
-    engine = RapidOCR(
-        params={
-            "Global.log_level": "error",
-            "Global.use_cls": False,
-            "Global.text_score": MIN_CONFIDENCE,
-            "Det.model_path": str(models / "PP-OCRv6_det_small.onnx"),
-            "Det.limit_side_len": DET_MIN_SIDE,
-            "Rec.model_path": str(models / "PP-OCRv6_rec_small.onnx"),  # the character list is inside the ONNX file
-            "Cls.model_path": str(models / "ch_ppocr_mobile_v2.0_cls_mobile.onnx"),  # unused (use_cls off), never fetched
-            "EngineConfig.onnxruntime.intra_op_num_threads": threads,
-            "EngineConfig.onnxruntime.inter_op_num_threads": 1,
-        }
-    )
+    params = {
+        "Global.log_level": "error",
+        "Global.use_cls": False,
+        "Global.text_score": MIN_CONFIDENCE,
+        "Det.model_path": str(models / "PP-OCRv6_det_small.onnx"),
+        "Det.limit_side_len": DET_MIN_SIDE,
+        "Rec.model_path": str(models / "PP-OCRv6_rec_small.onnx"),  # the character list is inside the ONNX file
+        "Cls.model_path": str(models / "ch_ppocr_mobile_v2.0_cls_mobile.onnx"),  # unused (use_cls off), never fetched
+        "EngineConfig.onnxruntime.intra_op_num_threads": threads,
+        "EngineConfig.onnxruntime.inter_op_num_threads": 1,
+    }
+    # idle engines: a call takes one (or builds one) and gives it back, so two threads (common.Scorer) never share one;
+    # rapidocr does not document its engine as thread-safe. The first is built now: a bad install fails before the model loads
+    idle = queue.SimpleQueue()
+    idle.put(RapidOCR(params=params))
 
     def recognise(image: np.ndarray) -> str:
-        result = engine(image[:, :, ::-1].copy())  # rapidocr takes arrays as BGR
+        try:
+            engine = idle.get_nowait()
+        except queue.Empty:
+            engine = RapidOCR(params=params)
+        try:
+            result = engine(image[:, :, ::-1].copy())  # rapidocr takes arrays as BGR
+        finally:
+            idle.put(engine)
         return "".join(result.txts) if getattr(result, "txts", None) is not None else ""
 
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
@@ -102,4 +112,5 @@ def ocr(device: Optional[torch.device] = None) -> Callable:
             ) from None
 
     fn.check_prompts = check_prompts
+    fn.thread_safe = True  # common.Scorer may score two chunks at once (each call has its own engine)
     return fn

@@ -317,6 +317,7 @@ def shapes(device: Optional[torch.device] = None) -> Callable:
         return evaluate(images, prompts)["score"]
 
     fn.check_prompts = _check_prompts
+    fn.thread_safe = True  # pure tensor code: common.Scorer may score two chunks at once
     return fn
 
 
@@ -328,6 +329,7 @@ def shapes_clean(device: Optional[torch.device] = None) -> Callable:
         return evaluate(images, prompts)["clean"]
 
     fn.check_prompts = _check_prompts
+    fn.thread_safe = True  # pure tensor code: common.Scorer may score two chunks at once
     return fn
 
 

@@ -635,6 +635,36 @@ def test_a_slow_reward_is_helped_by_the_main_thread_in_order(pipe, monkeypatch):
     assert torch.equal(scores["toy"], toy_reward(images, prompts)["toy"])
 
 
+def test_a_thread_safe_slow_reward_also_runs_in_the_main_thread(pipe):
+    """A reward marked `thread_safe` (OCR, shapes): once sampling is over the main thread scores the second half of the
+    waiting chunks itself, beside the worker; images and scores are still those of the rollout, in sample order."""
+    import threading
+    import time
+
+    prompts = PROMPTS + ["two circles", "a red circle", "two squares", "a blue square"]
+    calls = []
+
+    def slow(images, prompts_):
+        calls.append((prompts_[0], threading.current_thread().name))
+        time.sleep(0.3)
+        return toy_reward(images, prompts_)
+
+    slow.thread_safe = True
+    cond = common.PromptEncoder(pipe).cond(prompts)
+    scorer = common.Scorer(pipe, slow, prompts, 1)
+    gens = common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
+    rollout = common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=2, generator=gens, chunk=1, on_chunk=scorer)
+    images, scores = scorer.result()
+    threads = {name for _, name in calls}
+    assert "MainThread" in threads and any(t.startswith("reward") for t in threads), calls
+    assert sorted(c[0] for c in calls) == sorted(prompts)  # every chunk scored exactly once
+    assert torch.equal(images, torch.cat([common.decode(pipe, z) for z in rollout.latents.split(1)]))
+    assert torch.equal(scores["toy"], toy_reward(images, prompts)["toy"])
+    from rewards import load_rewards
+
+    assert load_rewards("shapes_clean", torch.device("cpu")).thread_safe
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
     """A reward that fails on the first chunk: the same exception is raised in the sampling thread (at the next chunk
