@@ -1049,8 +1049,9 @@ class Scorer:
                 # started, and the worker scores them, in order (when the reward is slower than sampling, e.g. OCR)
                 waiting = [k for k, job in enumerate(self.jobs) if job.cancel()]
                 # a reward that may run in two threads at once (`thread_safe`, e.g. OCR): the main thread scores the
-                # second half of the waiting chunks itself, beside the worker; each chunk's numbers are the same
-                mine = waiting[(len(waiting) + 1) // 2 :] if getattr(self.reward_fn, "thread_safe", False) else []
+                # last half of the waiting chunks itself (the last one when one waits), beside the worker, which still
+                # finishes the chunk it is on; each chunk's numbers are the same in either thread
+                mine = waiting[len(waiting) // 2 :] if getattr(self.reward_fn, "thread_safe", False) else []
                 for k in waiting:
                     if k not in mine:
                         latents, sl = self.chunks[k]
