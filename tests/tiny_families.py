@@ -363,10 +363,31 @@ def sana(path):
     return str(path)
 
 
+def vae_8x(scaling_factor: float, shift_factor: float):
+    """A tiny 8x-downsampling AutoencoderKL with 4 latent channels (Lumina 2 and CogView4 use this layout)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=64,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
+
+
 def lumina2(path):
     """Lumina2Pipeline: Gemma-2 text encoder (hidden_states[-2], so 2 layers), a 4-block VAE (factor 8, which the
     pipeline hard-codes), static shift 6."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
     from transformers import Gemma2Config, Gemma2Model
 
     tok = qwen_tokenizer(max_length=256)  # the system prompt (~160 bytes) + the prompt
@@ -399,21 +420,7 @@ def lumina2(path):
         axes_lens=(512, 32, 32),
         cap_feat_dim=8,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        sample_size=64,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    vae = vae_8x(scaling_factor=0.3611, shift_factor=0.1159)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
     Lumina2Pipeline(
         transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok
@@ -424,7 +431,7 @@ def lumina2(path):
 def cogview4(path):
     """CogView4Pipeline: a GLM text encoder with the byte-level tokenizer padding on the left (as GLM-4's), a 4-block
     VAE (factor 8, CogView4's), the released scheduler config (linear time shift, dynamic)."""
-    from diffusers import AutoencoderKL, CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers import CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
     from tokenizers.processors import TemplateProcessing
     from transformers import GlmConfig, GlmModel
 
@@ -462,21 +469,7 @@ def cogview4(path):
         sample_size=8,
         rope_axes_dim=(4, 4),
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        sample_size=64,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=1.0,
-        shift_factor=0.0,
-    )
+    vae = vae_8x(scaling_factor=1.0, shift_factor=0.0)
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
     )
