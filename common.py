@@ -1233,6 +1233,7 @@ SAFE_OVERRIDES = (
     "push_to_hub",
     "eval_num_steps",
     "eval_guidance_scale",
+    "eval_noises",
 )
 NOT_RESTORED = ("device", "output_dir", "resume", "run_name")
 _CLI = {"argv": None}  # the command line of the current `run_main`
@@ -1280,6 +1281,7 @@ def check_args(args, fresh: bool = True):
         "num_train_timesteps",
         "lora_alpha",
         "max_grad_norm",
+        "eval_noises",
     )
     for name in positive:
         if name in fields and fields[name] <= 0:
@@ -2125,6 +2127,7 @@ def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, l
             guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
             seed=0,
             use_autocast=args.mixed_precision,
+            repeats=getattr(args, "eval_noises", 2),
         )
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)

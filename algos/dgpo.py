@@ -47,6 +47,8 @@ class Args:
     """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
     eval_guidance_scale: Optional[float] = None
     """CFG scale of evaluation; default guidance_scale"""
+    eval_noises: int = 2
+    """noises per held-out prompt in each evaluation (2: 60 images on tiny-shapes; the convergence protocol uses 8)"""
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""

@@ -1,0 +1,265 @@
+"""The convergence protocol: held-out exact against images trained, next to the base model's ceilings.
+
+    python benchmark/convergence.py train SETTING [...] --seeds 1 2 3 --jobs 2   # train (or resume) the runs
+    python benchmark/convergence.py base                                   # base at CFG 1 / 4.5, best-of-k, both prompt sets
+    python benchmark/convergence.py curves RUN [RUN ...]                   # every kept checkpoint of each run
+    python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
+
+Runs are trained by the algorithm files with `--keep-checkpoints` large enough to keep every save (the commands are in
+benchmark/results/convergence/README.md). `curves` loads each checkpoint's trainable weights (the eval EMA when the run
+kept one, as its export does) into the base pipeline and samples, ODE 10 steps at the run's own guidance scale:
+
+- `test`: the 30 held-out prompts x 8 fixed noises (240 images),
+- `train`: a fixed sample of 30 training prompts x 8 fixed noises,
+
+with the same noises as `base`, so every number is paired with the base on the same noise. Metrics: exact (the asked
+objects and nothing else), strict (GenEval's all requirements met), extra objects per image and the prompt-specific gap.
+`base` also gives best-of-k: the chance that at least one of k noises is exact (unbiased from 8 noises per prompt), the
+ceiling that RL turning "sometimes" into "every time" should approach.
+
+Results are appended to benchmark/results/convergence/{base,curves}.jsonl (one JSON row per model x checkpoint x set).
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import models  # noqa: E402,F401  (registers the model families with common)
+from rewards import shapes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "convergence"
+NOISES = 8
+NUM_TRAIN_SAMPLE = 30
+METRICS = ("exact", "strict", "extra", "gap", "score")
+REPO = Path(__file__).resolve().parents[1]
+# every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
+PROTOCOL = ["--eval-noises", "8", "--eval-every", "40", "--save-every", "40", "--keep-checkpoints", "2"]
+
+# name -> (algorithm file, flags beyond its defaults). Every setting tried stays here, with its numbers in the results.
+SETTINGS = {
+    "crd": ("crd", []),
+    "crd_kl0.1": ("crd", ["--kl-beta", "0.1"]),
+    "crd_kl0.1_p16": ("crd", ["--kl-beta", "0.1", "--num-prompts", "16", "--grad-steps-per-epoch", "4"]),
+    "crd_kl0.1_lr3e-4": ("crd", ["--kl-beta", "0.1", "--learning-rate", "3e-4"]),
+    "nft": ("nft", []),
+    "nft_lr1e-3": ("nft", ["--learning-rate", "1e-3"]),
+    "nft_p16": ("nft", ["--num-prompts", "16", "--grad-steps-per-epoch", "2"]),
+    "awm": ("awm", []),
+    "awm_lr3e-3": ("awm", ["--learning-rate", "3e-3"]),
+    "dgpo": ("dgpo", []),
+    "dgpo_kl0.1": ("dgpo", ["--kl-beta", "0.1"]),
+    "grpo": ("grpo", []),
+    # Flow-GRPO's recipe: rollouts (and evaluation) at CFG 4.5, KL 0.04 to the reference
+    "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
+    "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),
+    "grpo_cfg4.5_kl0.04_g16": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--group-size", "16"]),
+}
+
+
+def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS) -> dict:
+    """The held-out prompts and a fixed sample of the training prompts (every 6th of the 188, so all categories)."""
+    train = common.load_prompts(train_file)
+    step = max(1, len(train) // NUM_TRAIN_SAMPLE)
+    return {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
+
+
+def shapes_metrics(images, prompts):
+    m = shapes.evaluate(images, prompts, [shapes.wrong_prompt(p) for p in prompts])
+    return {
+        "exact": m["exact"],
+        "strict": m["strict"],
+        "extra": m["extra"],
+        "gap": m["score"] - m["wrong"],
+        "score": m["score"],
+    }
+
+
+def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES) -> dict:
+    """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model."""
+    out = defaultdict(list)
+    for n in range(noises):
+        _, s = common.evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            shapes_metrics,
+            num_steps=10,
+            guidance_scale=guidance_scale,
+            seed=1000 * n,
+            repeats=1,
+            progress=False,
+        )
+        for k in METRICS:
+            out[k].append(s[k].float().numpy())
+    return {k: np.stack(v) for k, v in out.items()}
+
+
+def best_of_k(exact: np.ndarray, k: int) -> float:
+    """Mean over prompts of P(at least one of k noises exact), unbiased from n noises (the pass@k estimator)."""
+    n = exact.shape[0]
+    c = exact.sum(0)
+    return float(np.mean([1.0 - math.comb(n - int(ci), k) / math.comb(n, k) for ci in c]))
+
+
+def summary(m: dict, bases: dict = ()) -> dict:
+    """Means, and for each base ({tag: scores}) the paired gain and its standard error over prompts (the difference
+    on the same noise, averaged over noises per prompt)."""
+    row = {k: float(v.mean()) for k, v in m.items()}
+    for tag, base in dict(bases).items():
+        for k in METRICS:
+            d = (m[k] - base[k]).mean(0)
+            row[f"{k}_gain_{tag}"] = float(d.mean())
+            row[f"{k}_gain_{tag}_se"] = float(d.std(ddof=1) / math.sqrt(len(d)))
+    return row
+
+
+def append(path: Path, row: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def base_scores(model: str, sets: dict, guidance_scale: float, cache: dict = {}) -> dict:  # noqa: B006 - a deliberate cache
+    key = (model, guidance_scale)
+    if key not in cache:
+        pipe = common.load_pipeline(model, torch.device("cpu"))
+        encoder = common.PromptEncoder(pipe)
+        cache[key] = {name: score(pipe, encoder, prompts, guidance_scale) for name, prompts in sets.items()}
+    return cache[key]
+
+
+def cmd_base(args, sets):
+    for cfg in (1.0, 4.5):
+        for name, m in base_scores(args.model, sets, cfg).items():
+            row = {"model": "base", "guidance_scale": cfg, "set": name, "prompts": m["exact"].shape[1], "noises": NOISES}
+            row.update(summary(m))
+            row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8)})
+            append(args.results / "base.jsonl", row)
+            print(json.dumps(row))
+
+
+def checkpoints(run: Path) -> list:
+    ckpts = run / "checkpoints"
+    found = [(int(p.name.split("_")[1]), p) for p in ckpts.glob("epoch_*") if p.name.split("_")[1].isdigit()]
+    return sorted(found)
+
+
+def cmd_curves(args, sets):
+    done = set()
+    if (args.results / "curves.jsonl").exists():
+        for line in (args.results / "curves.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["run"], r["epoch"], r["set"]))
+    for run in map(Path, args.runs):
+        run_args = json.loads((run / "args.json").read_text())
+        cfg = run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
+        bases = {"cfg1": base_scores(args.model, sets, 1.0), "cfg4.5": base_scores(args.model, sets, 4.5)}
+        pipe = common.load_pipeline(args.model, torch.device("cpu"))
+        params = common.add_lora(pipe.transformer, run_args["lora_rank"], run_args["lora_alpha"], run_args["lora_targets"])
+        named = {n: p for n, p in pipe.transformer.named_parameters() if p.requires_grad}
+        encoder = common.PromptEncoder(pipe)
+        for epoch, ckpt_dir in checkpoints(run):
+            if all((run.name, epoch, s) in done for s in sets):
+                continue
+            ckpt = common.load_checkpoint(ckpt_dir)
+            common.load_trainable_state(named, ckpt["params"])
+            if ckpt.get("eval_ema"):  # what the run evaluated and exported
+                with torch.no_grad():
+                    for p, e in zip(params, ckpt["eval_ema"]):
+                        p.copy_(e)
+            for name, prompts in sets.items():
+                m = score(pipe, encoder, prompts, cfg)
+                row = {
+                    "run": run.name,
+                    "algo": run_args["exp_name"],
+                    "seed": run_args["seed"],
+                    "epoch": epoch,
+                    "images_seen": ckpt["images_seen"],
+                    "guidance_scale": cfg,
+                    "set": name,
+                }
+                row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
+                append(args.results / "curves.jsonl", row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+
+def find_run(out: Path, setting: str, seed: int):
+    found = sorted(out.glob(f"*__{setting}__{seed}__*"))
+    return found[-1] if found else None
+
+
+def cmd_train(args, sets):
+    """Start (or resume from its newest checkpoint) one run per setting x seed, `--jobs` at a time; after
+    `--stop-after` seconds every run gets one SIGINT: it finishes its epoch, checkpoints and exits, to be resumed."""
+    out = args.results / "runs"
+    queue = []
+    for name in args.runs:
+        if name not in SETTINGS:
+            raise SystemExit(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+        algo, flags = SETTINGS[name]
+        for seed in args.seeds:
+            run = find_run(out, name, seed)
+            if run is not None and (run / "checkpoints" / "last").exists():
+                cmd = ["--resume", str(run), "--num-epochs", str(args.epochs)]
+            else:
+                cmd = [*PROTOCOL, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
+                cmd += ["--exp-name", name, "--output-dir", str(out)]
+            queue.append((f"{name}__{seed}", [sys.executable, str(REPO / "algos" / f"{algo}.py"), *cmd]))
+    (args.results / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
+    t0, running, stopping = time.time(), [], False
+    devices = args.devices.split(",")
+    started = 0
+    while queue or running:
+        while queue and len(running) < args.jobs and not stopping:
+            tag, cmd = queue.pop(0)
+            cmd = [*cmd, "--device", devices[started % len(devices)]]
+            started += 1
+            print(f"[{time.time() - t0:6.0f}s] start {tag}: {' '.join(cmd[1:])}", flush=True)
+            log = open(args.results / "logs" / f"{tag}.log", "a")
+            running.append((tag, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)))
+        if args.stop_after and time.time() - t0 > args.stop_after and not stopping:
+            stopping = True
+            queue.clear()
+            print(f"[{time.time() - t0:6.0f}s] stop: SIGINT to {len(running)} runs", flush=True)
+            for _, p in running:
+                p.send_signal(signal.SIGINT)
+        for tag, p in list(running):
+            if p.poll() is not None:
+                print(f"[{time.time() - t0:6.0f}s] done {tag} rc {p.returncode}", flush=True)
+                running.remove((tag, p))
+        time.sleep(2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["train", "base", "curves"])
+    ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--devices", default="cpu", help="train: comma list cycled over the runs, e.g. cpu,cuda")
+    ap.add_argument("--stop-after", type=float, default=0, help="train: seconds, then every run checkpoints and stops")
+    ap.add_argument("--model", default=common.TINY_MODEL)
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    sets = prompt_sets()
+    {"train": cmd_train, "base": cmd_base, "curves": cmd_curves}[args.command](args, sets)
+
+
+if __name__ == "__main__":
+    main()
