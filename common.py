@@ -93,6 +93,8 @@ def setup_distributed(device: Optional[str] = None) -> Dist:
     if device is None:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:  # a bare "cuda" means this rank's GPU (set_device needs an index)
+        dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
