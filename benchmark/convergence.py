@@ -2,7 +2,7 @@
 
     python benchmark/convergence.py train SETTING [...] --seeds 1 2 3 --jobs 2   # train (or resume) the runs
     python benchmark/convergence.py base                                   # base at CFG 1 / 4.5, best-of-k, both prompt sets
-    python benchmark/convergence.py curves RUN [RUN ...]                   # every kept checkpoint of each run
+    python benchmark/convergence.py final RUN [RUN ...]                    # each run's exported LoRA, both prompt sets
     python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
 
 Runs are trained by the algorithm files with `--keep-checkpoints` large enough to keep every save (the commands are in
@@ -45,7 +45,7 @@ NUM_TRAIN_SAMPLE = 30
 METRICS = ("exact", "strict", "extra", "gap", "score")
 REPO = Path(__file__).resolve().parents[1]
 # every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
-PROTOCOL = ["--eval-noises", "8", "--eval-every", "40", "--save-every", "40", "--keep-checkpoints", "2"]
+PROTOCOL = ["--eval-noises", "8", "--keep-checkpoints", "2"]
 
 # name -> (algorithm file, flags beyond its defaults). Every setting tried stays here, with its numbers in the results.
 SETTINGS = {
@@ -151,49 +151,40 @@ def cmd_base(args, sets):
             print(json.dumps(row))
 
 
-def checkpoints(run: Path) -> list:
-    ckpts = run / "checkpoints"
-    found = [(int(p.name.split("_")[1]), p) for p in ckpts.glob("epoch_*") if p.name.split("_")[1].isdigit()]
-    return sorted(found)
+def images_trained(run: Path) -> int:
+    """Images the exported LoRA was trained on: the newest train/reward step in the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return max((e.step for e in acc.Scalars("train/reward")), default=0) if "train/reward" in acc.Tags()["scalars"] else 0
 
 
-def cmd_curves(args, sets):
+def cmd_final(args, sets):
+    """Each run's exported LoRA (runs/<run>/lora, what a user loads) in a fresh base pipeline, at the run's own eval
+    guidance scale, on both prompt sets, paired with the base at CFG 1 and at CFG 4.5 on the same noises."""
+    from diffusers.utils import logging
+
+    logging.set_verbosity_error()  # the LoRA has no text-encoder part, which load_lora_weights mentions
     done = set()
-    if (args.results / "curves.jsonl").exists():
-        for line in (args.results / "curves.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            done.add((r["run"], r["epoch"], r["set"]))
+    if (args.results / "final.jsonl").exists():
+        done = {json.loads(line)["run"] for line in (args.results / "final.jsonl").read_text().splitlines()}
+    bases = {"cfg1": base_scores(args.model, sets, 1.0), "cfg4.5": base_scores(args.model, sets, 4.5)}
     for run in map(Path, args.runs):
+        if run.name in done or not (run / "lora").is_dir():
+            continue
         run_args = json.loads((run / "args.json").read_text())
         cfg = run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
-        bases = {"cfg1": base_scores(args.model, sets, 1.0), "cfg4.5": base_scores(args.model, sets, 4.5)}
         pipe = common.load_pipeline(args.model, torch.device("cpu"))
-        params = common.add_lora(pipe.transformer, run_args["lora_rank"], run_args["lora_alpha"], run_args["lora_targets"])
-        named = {n: p for n, p in pipe.transformer.named_parameters() if p.requires_grad}
+        pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
-        for epoch, ckpt_dir in checkpoints(run):
-            if all((run.name, epoch, s) in done for s in sets):
-                continue
-            ckpt = common.load_checkpoint(ckpt_dir)
-            common.load_trainable_state(named, ckpt["params"])
-            if ckpt.get("eval_ema"):  # what the run evaluated and exported
-                with torch.no_grad():
-                    for p, e in zip(params, ckpt["eval_ema"]):
-                        p.copy_(e)
-            for name, prompts in sets.items():
-                m = score(pipe, encoder, prompts, cfg)
-                row = {
-                    "run": run.name,
-                    "algo": run_args["exp_name"],
-                    "seed": run_args["seed"],
-                    "epoch": epoch,
-                    "images_seen": ckpt["images_seen"],
-                    "guidance_scale": cfg,
-                    "set": name,
-                }
-                row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
-                append(args.results / "curves.jsonl", row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        for name, prompts in sets.items():
+            m = score(pipe, encoder, prompts, cfg)
+            row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
+            row.update({"images": images_trained(run), "guidance_scale": cfg, "set": name})
+            row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
+            append(args.results / "final.jsonl", row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
 def find_run(out: Path, setting: str, seed: int):
@@ -206,16 +197,18 @@ def cmd_train(args, sets):
     `--stop-after` seconds every run gets one SIGINT: it finishes its epoch, checkpoints and exits, to be resumed."""
     out = args.results / "runs"
     queue = []
-    for name in args.runs:
+    for item in args.runs:  # SETTING (every --seeds) or SETTING@SEED
+        name, _, one_seed = item.partition("@")
         if name not in SETTINGS:
             raise SystemExit(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
         algo, flags = SETTINGS[name]
-        for seed in args.seeds:
+        for seed in [int(one_seed)] if one_seed else args.seeds:
             run = find_run(out, name, seed)
             if run is not None and (run / "checkpoints" / "last").exists():
                 cmd = ["--resume", str(run), "--num-epochs", str(args.epochs)]
             else:
-                cmd = [*PROTOCOL, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
+                every = ["--eval-every", str(args.eval_every), "--save-every", str(args.eval_every)]
+                cmd = [*PROTOCOL, *every, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
                 cmd += ["--exp-name", name, "--output-dir", str(out)]
             queue.append((f"{name}__{seed}", [sys.executable, str(REPO / "algos" / f"{algo}.py"), *cmd]))
     (args.results / "logs").mkdir(parents=True, exist_ok=True)
@@ -246,11 +239,12 @@ def cmd_train(args, sets):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["train", "base", "curves"])
+    ap.add_argument("command", choices=["train", "base", "final"])
     ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=40, help="train: epochs between evaluations (and saves)")
     ap.add_argument("--devices", default="cpu", help="train: comma list cycled over the runs, e.g. cpu,cuda")
     ap.add_argument("--stop-after", type=float, default=0, help="train: seconds, then every run checkpoints and stops")
     ap.add_argument("--model", default=common.TINY_MODEL)
@@ -258,7 +252,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     sets = prompt_sets()
-    {"train": cmd_train, "base": cmd_base, "curves": cmd_curves}[args.command](args, sets)
+    {"train": cmd_train, "base": cmd_base, "final": cmd_final}[args.command](args, sets)
 
 
 if __name__ == "__main__":
