@@ -47,6 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 # every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
 PROTOCOL = ["--eval-noises", "8", "--keep-checkpoints", "2"]
 
+ATTN = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+FF = ["--lora-targets", *ATTN, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+STEPS8 = ["--grad-steps-per-epoch", "8", "--micro-batch", "8"]
+
 # name -> (algorithm file, flags beyond its defaults). Every setting tried stays here, with its numbers in the results.
 SETTINGS = {
     "crd": ("crd", []),
@@ -65,6 +69,23 @@ SETTINGS = {
     "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
     "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),
     "grpo_cfg4.5_kl0.04_g16": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--group-size", "16"]),
+    # more optimizer steps per rollout, LoRA on the feed-forward layers too, a larger rank
+    "crd_steps8": ("crd", STEPS8),
+    "crd_lr3e-3": ("crd", ["--learning-rate", "3e-3"]),
+    "crd_ff": ("crd", FF),
+    "crd_ff_steps8": ("crd", [*FF, *STEPS8]),
+    "crd_kl0.1_ff_steps8": ("crd", ["--kl-beta", "0.1", *FF, *STEPS8]),
+    "crd_r64": ("crd", ["--lora-rank", "64", "--lora-alpha", "128"]),
+    "nft_steps4": ("nft", ["--grad-steps-per-epoch", "4"]),
+    "nft_ff": ("nft", FF),
+    "nft_ff_steps4": ("nft", [*FF, "--grad-steps-per-epoch", "4"]),
+    "nft_lr1e-3_ff_steps4": ("nft", ["--learning-rate", "1e-3", *FF, "--grad-steps-per-epoch", "4"]),
+    "awm_steps8": ("awm", STEPS8),
+    "awm_ff": ("awm", FF),
+    "dgpo_steps8": ("dgpo", STEPS8),
+    "dgpo_ff": ("dgpo", FF),
+    "grpo_cfg4.5_kl0.04_lr2e-3": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "2e-3"]),
+    "grpo_cfg4.5_kl0.04_ff": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", *FF]),
 }
 
 
