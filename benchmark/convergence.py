@@ -208,6 +208,41 @@ def cmd_final(args, sets):
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
+def cmd_extract(args, sets):
+    """One JSON row per run into curves.jsonl: its setting, seed, device, and every held-out evaluation (images trained,
+    wall-clock seconds, exact, strict, extra objects, gap, the training reward) read from its TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for run in map(Path, args.runs):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        run_args = json.loads((run / "args.json").read_text())
+        t0 = min(e.wall_time for t in tags for e in acc.Scalars(t))
+        evals = {
+            k: acc.Scalars(f"eval/{k}") for k in ("shapes_exact", "shapes_strict", "objects_extra", "prompt_specific_gap")
+        }
+        reward = [(e.step, e.value) for e in acc.Scalars("charts/reward_mean")]
+        row = {
+            "run": run.name,
+            "setting": run_args["exp_name"],
+            "seed": run_args["seed"],
+            "device": run_args.get("device") or "cpu",
+            "eval_noises": run_args.get("eval_noises", 2),
+            "images": [e.step for e in evals["shapes_exact"]],
+            "seconds": [round(e.wall_time - t0, 1) for e in evals["shapes_exact"]],
+            **{k: [round(e.value, 4) for e in v] for k, v in evals.items()},
+            # the training reward, averaged over each stretch between two evaluations
+            "train_reward": [
+                round(float(np.mean([v for s, v in reward if lo < s <= hi] or [np.nan])), 4)
+                for lo, hi in zip([-1] + [e.step for e in evals["shapes_exact"]], [e.step for e in evals["shapes_exact"]])
+            ],
+            "images_per_sec": round(float(np.median([e.value for e in acc.Scalars("charts/images_per_sec")])), 1),
+        }
+        append(args.results / "curves.jsonl", row)
+        print(row["setting"], row["seed"], list(zip(row["images"], row["shapes_exact"])), flush=True)
+
+
 def find_run(out: Path, setting: str, seed: int):
     found = sorted(out.glob(f"*__{setting}__{seed}__*"))
     return found[-1] if found else None
@@ -260,7 +295,7 @@ def cmd_train(args, sets):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["train", "base", "final"])
+    ap.add_argument("command", choices=["train", "base", "final", "extract"])
     ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
@@ -273,7 +308,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     sets = prompt_sets()
-    {"train": cmd_train, "base": cmd_base, "final": cmd_final}[args.command](args, sets)
+    {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract}[args.command](args, sets)
 
 
 if __name__ == "__main__":
