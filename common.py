@@ -261,7 +261,10 @@ class Family:
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
     the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
-    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
+    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction);
+    `text_length(pipe, prompts, max_sequence_length)` -> the text length a batch is encoded at, for families whose
+    embedding of a prompt depends on the rest of its batch (CogView4: GLM sees the batch's padding, unmasked); `encode`
+    then takes it as `length=` and `PromptEncoder` caches per (prompt, length)."""
 
     name: str
     pipelines: tuple
@@ -277,6 +280,7 @@ class Family:
     lora_targets: tuple = ("to_q", "to_k", "to_v", "to_out.0")
     scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
     encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
+    text_length: Optional[Callable] = None  # (pipe, prompts, max_sequence_length) -> a batch's text length (see above)
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -625,22 +629,30 @@ class PromptEncoder:
         return [m for n, m in sorted(self.pipe.components.items()) if n.startswith("text_encoder") and m is not None]
 
     @torch.no_grad()
-    def _encode(self, prompts: Sequence[str]):
-        """Encode `prompts` as one batch into the cache."""
+    def _encode(self, prompts: Sequence[str], length: Optional[int] = None):
+        """Encode `prompts` as one batch into the cache (at text `length`, cached per (prompt, length), if given)."""
         # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
         device = self.text_encoders()[0].device
-        e, p = self.family.encode(self.pipe, list(prompts), device, self.max_sequence_length)  # a copy: Z-Image edits the list
+        kwargs = {} if length is None else {"length": length}
+        e, p = self.family.encode(
+            self.pipe, list(prompts), device, self.max_sequence_length, **kwargs
+        )  # a copy: Z-Image edits it
         for i, prompt in enumerate(prompts):
-            self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
+            self.cache[prompt if length is None else (prompt, length)] = (
+                e[i].to(self.cache_device),
+                p[i].to(self.cache_device),
+            )
 
     def __call__(self, prompts: Sequence[str]):
         # a prompt not cached is encoded alone: the text encoders' output depends (~1e-6) on the batch it is computed in,
         # so batching the prompts that happen to be new would make an embedding depend on the run's history and a
         # resumed run (empty cache) drift from the uninterrupted one. Alone costs ~4 ms/prompt on tiny-text (CPU).
-        for prompt in dict.fromkeys(p for p in prompts if p not in self.cache):
-            self._encode([prompt])
-        embeds = pad_stack([self.cache[p][0] for p in prompts]).to(self.device)
-        extra = pad_stack([self.cache[p][1] for p in prompts]).to(self.device)
+        length = self.family.text_length(self.pipe, prompts, self.max_sequence_length) if self.family.text_length else None
+        keys = list(prompts) if length is None else [(p, length) for p in prompts]
+        for key in dict.fromkeys(k for k in keys if k not in self.cache):
+            self._encode([key if length is None else key[0]], length)
+        embeds = pad_stack([self.cache[k][0] for k in keys]).to(self.device)
+        extra = pad_stack([self.cache[k][1] for k in keys]).to(self.device)
         return embeds, extra
 
     def cond(self, prompts: Sequence[str], negative: bool = True) -> Cond:
@@ -666,8 +678,14 @@ class PromptEncoder:
         """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`.
 
         Called once at start with the run's whole prompt set (4000 tiny-text prompts: 2.5 s on CPU, vs 16 s one by one);
-        these embeddings differ from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume."""
+        these embeddings differ from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume.
+        A family with `text_length` (CogView4) caches each prompt at its own length: a batch with a longer prompt
+        encodes the shorter ones again at that length (on the CPU after `offload`)."""
         prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
+        if self.family.text_length is not None:  # a batch's embeddings depend on it: each prompt alone, at its own length
+            for prompt in prompts:
+                self([prompt])
+            return
         for k in range(0, len(prompts), batch):  # fixed chunks of a fixed list: the same embeddings in every run and resume
             self._encode(prompts[k : k + batch])
         if self.family.encode_negative is not None:  # the negative prompt encoded the family's own way, cached too

@@ -71,8 +71,8 @@ FAMILIES = {
     # the same two calls and the pipeline's CFG renormalisation; the negative prompt without the system prompt: measured 0.0
     "lumina2": ("lumina2", 64, 4.0, 1e-5, {}),
     # the same two calls; the pipeline is given our (unshifted) grid as its integer timesteps (4 steps: 1000, 750, 500,
-    # 250) and prompts truncated to 16 tokens, so that its batch padding equals ours; the shift inverted in float32 gives
-    # back these times exactly: measured 0.0
+    # 250); the prompts (13, 17 and 9 tokens) padded to the batch's longest rounded up to 16 (32), the negative prompt to
+    # its own 16, as the pipeline; the shift inverted in float32 gives back these times exactly: measured 0.0
     "cogview4": ("cogview4", 64, 4.0, 1e-5, dict(timesteps=lambda _: [1000, 750, 500, 250])),
     "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=lambda _: wan.NUM_FRAMES, negative_prompt="")),
 }
@@ -282,3 +282,25 @@ def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(fami
     torch.testing.assert_close(mask, ref_mask, rtol=0, atol=0)
     as_prompt = enc([""])[0][0]  # as a prompt "" gets the instruction: other embeddings of the same shape
     assert as_prompt.shape == neg[0].shape and (as_prompt - neg[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("max_sequence_length", [None, 10])
+def test_cogview4_text_is_padded_as_the_pipeline_pads_its_batch(family_dirs, max_sequence_length):
+    """CogView4Pipeline pads a batch to its longest prompt (cut at max_sequence_length) rounded up to 16 and GLM sees
+    that padding: PromptEncoder gives each prompt the embedding it has in the pipeline's batch, and the negative prompt
+    the one of [""] * B."""
+    pipe = common.load_pipeline(family_dirs("cogview4"), CPU, resolution=64)
+    enc = common.PromptEncoder(pipe, max_sequence_length=max_sequence_length)
+    cond = enc.cond(PROMPTS)
+    ref, ref_neg = pipe.encode_prompt(
+        list(PROMPTS), negative_prompt="", max_sequence_length=enc.max_sequence_length, device=CPU
+    )
+    assert cond.embeds.shape[1] == (32 if max_sequence_length is None else 16)  # 17 tokens -> 32; cut at 10 -> 16
+    torch.testing.assert_close(cond.embeds, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cond.neg_embeds, ref_neg, rtol=0, atol=1e-6)
+    alone = enc(["a square"])[0]  # 9 tokens alone: padded to 16, another embedding than in the batch above
+    torch.testing.assert_close(
+        alone, pipe.encode_prompt(["a square"], do_classifier_free_guidance=False)[0], rtol=0, atol=1e-6
+    )
+    if max_sequence_length is None:
+        assert alone.shape[1] == 16 and (alone[0, -9:] - cond.embeds[2, -9:]).abs().max() > 1e-4
