@@ -254,12 +254,15 @@ class Family:
     extra [B, ...]), one record per prompt: `extra` is the family's second text input, CLIP's pooled vector (SD3,
     FLUX.1), a token mask (families with variable-length text) or an empty [B, 0]. `velocity(transformer, x, sigma [B],
     embeds, extra, neg, guidance_scale)` -> v = eps - x0 (fp32, x's shape), CFG included; `neg` = the negative prompt's
-    (embeds, extra). `latent_shape(pipe, resolution or None)` -> what the sampler draws for one sample (the family's own
-    layout, e.g. FLUX.2's patchified, normalised latents); `tokens(latent_shape)` -> image tokens (for the shift);
-    `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
-    [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
+    (embeds, extra). `latent_shape(pipe, height, width, num_frames)` (pixels and frames, None: the model's default) ->
+    what the sampler draws for one sample (the family's own layout, e.g. FLUX.2's patchified, normalised latents);
+    `tokens(latent_shape)` -> image tokens (for the shift); `mu(scheduler config, tokens, num_steps)` -> the dynamic
+    shift's mu; `decode(pipe, latents)` -> images in [-1, 1], [B, 3, H, W] (video: [B, F, 3, H, W]);
+    `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
     the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
+    `num_frames`: a video family's default frames per video (None: an image family); `check(config, args)`: the
+    family's checks of the scripts' flags against the pipeline's model_index.json (`pipeline_config`), before loading;
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
     `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction);
     `text_length(pipe, prompts, max_sequence_length)` -> the text length a batch is encoded at, for families whose
@@ -281,6 +284,8 @@ class Family:
     scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
     encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
     text_length: Optional[Callable] = None  # (pipe, prompts, max_sequence_length) -> a batch's text length (see above)
+    num_frames: Optional[int] = None  # video families: frames per video by default
+    check: Optional[Callable] = None  # (model_index.json as a dict, args) -> None, raises UserError
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -333,6 +338,18 @@ class Model:
         )
 
 
+def pipeline_config(model: str) -> dict:
+    """A local folder's model_index.json; for a hub id (not downloaded before loading) only its guessed `_class_name`."""
+    local = Path(model).expanduser()
+    try:
+        return json.loads((local / "model_index.json").read_text())
+    except (OSError, ValueError):
+        try:
+            return {"_class_name": pipeline_class(model)}
+        except UserError:
+            return {}  # load_pipeline reports it
+
+
 def pipeline_class(model: str) -> str:
     """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
     local = Path(model).expanduser()
@@ -365,12 +382,22 @@ HUB_NAMES = (
 )
 
 
-def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
+def load_pipeline(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    resolution: Optional[int] = None,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    num_frames: Optional[int] = None,
+):
     """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
 
     The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
-    `resolution` (pixels, default the model's native size) sets the returned `Model.latent_shape`, what the sampler
-    draws, in the family's layout; the resolution-dependent shift of some families follows from it (`Model.sigmas`).
+    `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
+    `num_frames` set the returned `Model.latent_shape`, what the sampler draws, in the family's layout; the
+    resolution-dependent shift of some families follows from it (`Model.sigmas`).
     """
     import transformers
 
@@ -385,6 +412,8 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
             f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
         )
     family = FAMILIES[cls]
+    if num_frames is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {num_frames}: {cls} makes images, not videos")
     verbosity = transformers.logging.get_verbosity()
     # importing the pipelines warns about torchvision for SD3's unused image encoder
     transformers.logging.set_verbosity_error()
@@ -405,7 +434,7 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
     pipe.set_progress_bar_config(disable=True)
-    shape = family.latent_shape(pipe, resolution)
+    shape = family.latent_shape(pipe, height or resolution, width or resolution, num_frames or family.num_frames)
     for m in pipe.components.values():
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
@@ -699,6 +728,14 @@ class PromptEncoder:
             m.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def capped_tokens(requested: Optional[int], default: int, maximum: int) -> int:
+    """A family's `max_sequence_length`: --max-sequence-length (None: the pipeline's `default`, capped at the
+    tokenizer's `maximum`); more than `maximum` is refused, not cut silently."""
+    if requested is not None and requested > maximum:
+        raise UserError(f"--max-sequence-length {requested}: this model's tokenizer takes at most {maximum} tokens")
+    return min(requested or default, maximum)
 
 
 def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -1321,6 +1358,11 @@ def check_args(args, fresh: bool = True):
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
     if reason:
         raise UserError(f"--compile: {reason}; run without --compile (eager)")
+    for name in ("height", "width", "num_frames", "max_sequence_length"):
+        if fields.get(name) is not None and fields[name] <= 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
+    if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
+        raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)
@@ -1328,10 +1370,17 @@ def check_args(args, fresh: bool = True):
     if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
         if not (model / "model_index.json").is_file():
             raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
-        if args.resolution is not None:
-            check_resolution(model, args.resolution)
+        for name in ("resolution", "height", "width"):
+            if fields.get(name) is not None:
+                check_resolution(model, fields[name], name)
     elif args.resolution is not None and args.resolution <= 0:
         raise UserError(f"--resolution {args.resolution}: must be > 0")
+    config = pipeline_config(args.model)
+    family = FAMILIES.get(config.get("_class_name"))
+    if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
+    if family is not None and family.check is not None:
+        family.check(config, args)
     if fresh:
         out = Path(args.output_dir).expanduser()
         parent = out
@@ -1343,10 +1392,11 @@ def check_args(args, fresh: bool = True):
             )
 
 
-def check_resolution(model: Path, resolution: int):
-    """`load_pipeline`'s resolution check from the folder's configs alone, before the model loads."""
+def check_resolution(model: Path, resolution: int, name: str = "resolution"):
+    """`load_pipeline`'s resolution check (of --resolution, --height or --width: `name`) from the folder's configs
+    alone, before the model loads."""
     if resolution <= 0:
-        raise UserError(f"--resolution {resolution}: must be > 0")
+        raise UserError(f"--{name} {resolution}: must be > 0")
     try:
         vae = json.loads((model / "vae" / "config.json").read_text())
         transformer = json.loads((model / "transformer" / "config.json").read_text())
@@ -1362,7 +1412,7 @@ def check_resolution(model: Path, resolution: int):
     )
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
-        raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
+        raise UserError(f"{name} {resolution} must be a multiple of {factor * patch}")
 
 
 def given_flags(args) -> set:

@@ -51,10 +51,10 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return unpack_latents(v, h, w)
 
 
-def latent_shape(pipe, resolution):
+def latent_shape(pipe, height, width, num_frames):
     factor = pipe.vae_scale_factor
-    side = common.latent_side(resolution or pipe.default_sample_size * factor, 0, factor, 2)
-    return pipe.transformer.config.in_channels // 4, side, side
+    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    return pipe.transformer.config.in_channels // 4, h, w
 
 
 def decode(pipe, z):

@@ -44,10 +44,10 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     )[0].float()
 
 
-def latent_shape(pipe, resolution):
+def latent_shape(pipe, height, width, num_frames):
     cfg = pipe.transformer.config
-    side = common.latent_side(resolution, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size)
-    return cfg.in_channels, side, side
+    h, w = (common.latent_side(s, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size) for s in (height, width))
+    return cfg.in_channels, h, w
 
 
 def load_kwargs(local):

@@ -16,18 +16,12 @@ from safetensors.torch import load_file
 
 import common
 import models
-from models import flux, wan
+from models import flux
+
+FRAMES = 5  # Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2)
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def few_frames():
-    """Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2) instead of 33."""
-    frames, wan.NUM_FRAMES = wan.NUM_FRAMES, 5
-    yield
-    wan.NUM_FRAMES = frames
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +68,7 @@ FAMILIES = {
     # 250); the prompts (13, 17 and 9 tokens) padded to the batch's longest rounded up to 16 (32), the negative prompt to
     # its own 16, as the pipeline; the shift inverted in float32 gives back these times exactly: measured 0.0
     "cogview4": ("cogview4", 64, 4.0, 1e-5, dict(timesteps=lambda _: [1000, 750, 500, 250])),
-    "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=lambda _: wan.NUM_FRAMES, negative_prompt="")),
+    "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=FRAMES, negative_prompt="")),
 }
 
 
@@ -119,10 +113,14 @@ def compare_with_pipeline(pipe, stock, family, steps: int = 4) -> float:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_ode_sampler_matches_the_pipeline(family, family_dirs):
     builder, pixels, _, tol, _ = FAMILIES[family]
-    pipe = common.load_pipeline(family_dirs(builder), CPU, resolution=pixels)
+    pipe = common.load_pipeline(family_dirs(builder), CPU, resolution=pixels, num_frames=frames(family))
     diff = compare_with_pipeline(pipe, pipe.pipe, family)
     print(f"{family}: max abs difference {diff:.2e}")
     assert diff <= tol
+
+
+def frames(family):
+    return FRAMES if family == "wan" else None
 
 
 def load_algo(name: str):
@@ -142,6 +140,7 @@ def train(algo: str, family: str, family_dirs, tmp_path):
     args = module.Args(
         model=family_dirs(builder),
         resolution=pixels,
+        num_frames=frames(family),
         guidance_scale=guidance,
         reward="jpeg_compressibility",
         num_prompts=2,
@@ -304,3 +303,42 @@ def test_cogview4_text_is_padded_as_the_pipeline_pads_its_batch(family_dirs, max
     )
     if max_sequence_length is None:
         assert alone.shape[1] == 16 and (alone[0, -9:] - cond.embeds[2, -9:]).abs().max() > 1e-4
+
+
+@pytest.fixture(scope="session")
+def distilled_klein(family_dirs, tmp_path_factory):
+    """The tiny klein marked `is_distilled`, as the released FLUX.2-klein-4B/-9B are."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("klein") / "distilled"
+    shutil.copytree(family_dirs("flux2_klein"), path)
+    index = json.loads((path / "model_index.json").read_text())
+    (path / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    return str(path)
+
+
+FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
+    ("distilled_klein", "--guidance-scale 4", "is a distilled FLUX.2-klein, which samples without CFG"),
+    ("distilled_klein", "--eval-guidance-scale 2", "guidance scale 2.0:"),
+    ("flux2_dev", "--guidance-scale 4 --negative-prompt blurry", "FLUX.2-dev's guidance is an embedding"),
+    ("wan", "--num-frames 4", "--num-frames 4 must be 2 k + 1"),
+    ("cogview4", "--num-frames 5", "CogView4Pipeline makes images, not videos"),
+    ("lumina2", "--height 64 --width 60", "width 60 must be a multiple of 16"),
+    ("wan", "--max-sequence-length 100", "--max-sequence-length 100: this model's tokenizer takes at most 32 tokens"),
+]
+
+
+@pytest.mark.parametrize("model, flags, expected", FAMILY_BAD_INPUTS)
+def test_family_flags_are_refused_in_one_line_before_anything_is_written(
+    model, flags, expected, family_dirs, distilled_klein, tmp_path, capsys
+):
+    from test_bad_inputs import TINY, assert_one_line, call
+
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
+    path = distilled_klein if model == "distilled_klein" else family_dirs(model)
+    prompts = ["--train-prompts", str(tmp_path / "prompts.txt"), "--test-prompts", str(tmp_path / "prompts.txt")]
+    argv = [*TINY, "--model", path, "--reward", "jpeg_compressibility", *prompts, "--output-dir", str(tmp_path / "runs")]
+    rc, err = call("nft", argv + flags.split(), capsys)
+    assert_one_line(rc, err, expected)
+    assert not (tmp_path / "runs").exists()
