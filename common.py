@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -284,6 +285,7 @@ class Family:
     scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
     encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
     text_length: Optional[Callable] = None  # (pipe, prompts, max_sequence_length) -> a batch's text length (see above)
+    card: Optional[Callable] = None  # (Model, call, settings) -> (setup lines, call, output): see `card_call`
     num_frames: Optional[int] = None  # video families: frames per video by default
     check: Optional[Callable] = None  # (model_index.json as a dict, args) -> None, raises UserError
 
@@ -1737,14 +1739,44 @@ def export_lora(
     return out_dir
 
 
-def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
-    """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
+def card_call(pipe, settings: dict) -> tuple:
+    """How the stock pipeline reproduces our ODE sampler: (setup lines run after loading, {keyword: Python source} of
+    `pipe(prompt, ...)`, "images" or "frames"). `settings`: num_steps, guidance_scale, negative_prompt,
+    max_sequence_length (the encoder's), height, width (pixels or None), num_frames. What differs per family (the
+    keyword of the guidance, the scheduler, the sigma grid) is the family's `card`."""
+    g = float(settings["guidance_scale"])
+    call = {"num_inference_steps": str(settings["num_steps"]), "guidance_scale": repr(g)}
+    if g > 1:
+        call["negative_prompt"] = json.dumps(settings.get("negative_prompt") or "")
+    if settings.get("height"):
+        call["height"] = str(settings["height"])
+    if settings.get("width"):
+        call["width"] = str(settings["width"])
+    if "max_sequence_length" in inspect.signature(type(pipe.pipe).__call__).parameters:
+        call["max_sequence_length"] = str(settings["max_sequence_length"])
+    return pipe.family.card(pipe, call, settings) if pipe.family.card else ([], call, "images")
+
+
+def lora_snippet(
+    pipe_class: str, model: str, lora_dir: str, setup: list, call: dict, output: str, gpu: bool = False, no_t5: bool = False
+) -> str:
+    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`)."""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
     load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
-    return ("import torch\n" if gpu else "") + (
-        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({json.dumps(lora_dir)})\n"
-        f'image = pipe({call}).images[0]\nimage.save("sample.png")\n'
-    )
+    code = "\n".join([*setup, "", *call.values()])
+    imports = ["import numpy as np"] * ("np." in code) + ["import torch"] * (gpu or "torch." in code)
+    imports += [f"from diffusers import {pipe_class}"] + [x for x in setup if x.startswith(("from ", "import "))]
+    setup = "\n".join(x for x in setup if not x.startswith(("from ", "import "))).strip("\n").splitlines()
+    if output == "frames":
+        imports.append("from diffusers.utils import export_to_video")
+    kwargs = ", ".join(f"{k}={v}" for k, v in call.items())
+    save = 'export_to_video(videos[0], "sample.mp4", fps=16)' if output == "frames" else 'images[0].save("sample.png")'
+    lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+    lines += [
+        'prompt = ["a red circle"]',
+        f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
+    ]
+    return "\n".join(lines + [save]) + "\n"
 
 
 def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
@@ -1753,18 +1785,21 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     doc = (algo_doc or "").strip()
     algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
     pipe_class, model = type(pipe.pipe).__name__, str(config.get("model", ""))
-    call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
     no_t5 = pipe_class == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
-    if no_t5:  # the zero padding that stands in for T5 must be as long as in training (common.PromptEncoder)
-        call += ", max_sequence_length=1"
-    if config.get("resolution"):
-        call += f", height={config['resolution']}, width={config['resolution']}"
+    # the scripts' Args have every field; a bare record (another caller) gets the scripts' defaults
+    settings = {k: config.get(k) or default for k, default in (("num_steps", 10), ("guidance_scale", 1.0))}
+    settings["negative_prompt"] = config.get("negative_prompt") or ""
+    settings["height"] = config.get("height") or config.get("resolution")
+    settings["width"] = config.get("width") or config.get("resolution")
+    settings["num_frames"] = config.get("num_frames") or pipe.family.num_frames
+    # as long as in training (PromptEncoder): e.g. SD3 without T5 pads with 1 zero token, not the pipeline's 256
+    settings["max_sequence_length"] = pipe.family.max_sequence_length(pipe.pipe, config.get("max_sequence_length"))
     front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
     targets = ", ".join(config.get("lora_targets", ()))
-    snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
+    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
     lines = front + [
         "---",
         "",

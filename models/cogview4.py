@@ -80,6 +80,12 @@ def latent_shape(pipe, height, width, num_frames):
     return cfg.in_channels, h, w
 
 
+def card(pipe, call, settings):
+    """The pipeline takes the unshifted grid as integer timesteps (exact when the step count divides 1000)."""
+    n = settings["num_steps"]
+    return [], {**call, "timesteps": f"np.linspace(1000, 1000 / {n}, {n}).tolist()"}, "images"
+
+
 FAMILY = common.Family(
     name="cogview4",
     pipelines=("CogView4Pipeline",),
@@ -92,4 +98,5 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=mu,
     text_length=text_length,
+    card=card,
 )

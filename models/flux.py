@@ -68,6 +68,11 @@ def check(config, args):
         )
 
 
+def card(pipe, call, settings):
+    """FluxPipeline's `guidance_scale` is the guidance embedding's (FLUX.1-dev; schnell ignores it): no negative prompt."""
+    return [], {k: v for k, v in call.items() if k != "negative_prompt"}, "images"
+
+
 def latent_shape(pipe, height, width, num_frames):
     # latents are packed into 2x2 patches (in_channels = 4 C); FLUX's native size is its VAE's (1024)
     h, w = (common.latent_side(s or pipe.vae.config.sample_size, 0, pipe.vae_scale_factor, 2) for s in (height, width))
@@ -86,5 +91,6 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
     check=check,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -11,6 +11,7 @@ as `negative_prompt_embeds`); the distilled klein checkpoints (`is_distilled`) r
 the scale for them, and `check` refuses a scale > 1 before loading.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -92,6 +93,17 @@ def check(config, args):
         )
 
 
+def card(pipe, call, settings):
+    """dev: the guidance embedding, no negative prompt; klein: its negative prompt is "" unless given as embeddings."""
+    call = {k: v for k, v in call.items() if k != "negative_prompt"}
+    neg = settings.get("negative_prompt")
+    if type(pipe.pipe).__name__ == "Flux2KleinPipeline" and float(settings["guidance_scale"]) > 1 and neg:
+        call["negative_prompt_embeds"] = (
+            f"pipe.encode_prompt([{json.dumps(neg)}] * len(prompt), max_sequence_length={settings['max_sequence_length']})[0]"
+        )
+    return [], call, "images"
+
+
 def decode(pipe, z):
     """Undo the BatchNorm normalisation (running statistics, eps), unpatchify 2x2, decode."""
     vae = pipe.vae
@@ -114,5 +126,6 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2],
     mu=mu,
     check=check,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -50,6 +50,12 @@ def latent_shape(pipe, height, width, num_frames):
     return cfg.in_channels, h, w
 
 
+def card(pipe, call, settings):
+    """SD3's pipeline samples on the scheduler's default grid: pass ours (`common.sigma_schedule`)."""
+    n = settings["num_steps"]
+    return [], {**call, "sigmas": f"np.linspace(1.0, 1 / {n}, {n}).tolist()"}, "images"
+
+
 def load_kwargs(local):
     # T5 (text_encoder_3) is optional: a folder without one loads with None, and the pipeline pads with zeros
     return (
@@ -67,5 +73,6 @@ FAMILY = common.Family(
     decode=common.vae_decode,
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -67,6 +67,23 @@ def check(config, args):
         )
 
 
+CARD_SCHEDULER = """from diffusers import FlowMatchEulerDiscreteScheduler
+
+
+class Euler(FlowMatchEulerDiscreteScheduler):  # cleanflow's grid: sigmas linspace(1, 1/N, N), then the shift
+    def set_timesteps(self, num_inference_steps, device=None, **kwargs):
+        super().set_timesteps(sigmas=np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).tolist(), device=device)
+
+
+pipe.scheduler = Euler(shift={shift})"""
+
+
+def card(pipe, call, settings):
+    """WanPipeline takes no sigmas: an Euler scheduler (for the released UniPC) that sets our grid; the frames."""
+    setup = CARD_SCHEDULER.format(shift=pipe.scheduler.config.shift).splitlines()
+    return setup, {**call, "num_frames": str(settings["num_frames"])}, "frames"
+
+
 def decode(pipe, z):
     """latents * std + mean, decoded to video [B, F, 3, H, W]."""
     vae = pipe.vae
@@ -88,5 +105,6 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2] * shape[3] // 4,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
     num_frames=33,
+    card=card,
     check=check,
 )

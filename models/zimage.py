@@ -42,6 +42,14 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return -out
 
 
+def card(pipe, call, settings):
+    """ZImagePipeline's guidance_scale is ours - 1 (CFG on above 0)."""
+    call = {**call, "guidance_scale": repr(float(settings["guidance_scale"]) - 1)}
+    if "negative_prompt" in call:
+        call["negative_prompt"] = f"[{call['negative_prompt']}] * len(prompt)"
+    return [], call, "images"
+
+
 def latent_shape(pipe, height, width, num_frames):
     factor, patch = pipe.vae_scale_factor, pipe.transformer.config.all_patch_size[0]
     h, w = (
@@ -61,4 +69,5 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
+    card=card,
 )
