@@ -6,9 +6,9 @@ the VAE's latents_mean/std; the transformer patchifies (1, 2, 2) and builds its 
 timestep = 1000 sigma, static shift (3 at 480p, 5 at 720p), two-pass CFG (as the pipeline). `decode` returns video
 [B, F, 3, H, W]; image rewards score it frame by frame (rewards/video.py). The released configs ship a UniPC
 scheduler: we sample with FlowMatchEuler at its `flow_shift`. Frames per video: --num-frames, default 33 (Wan's own
-is 81; 4k + 1 for the released VAE's temporal factor 4); size: WanPipeline's default 480 x 832. Not supported:
-Wan2.2-A14B's second expert (`transformer_2` below `boundary_ratio`) and Wan2.2-TI2V-5B's per-token timesteps
-(`expand_timesteps`).
+is 81; 4k + 1 for the released VAE's temporal factor 4); size: WanPipeline's default 480 x 832. Not supported,
+refused before loading (`check`): Wan2.2-A14B's second expert (`transformer_2` below `boundary_ratio`) and
+Wan2.2-TI2V-5B's per-token timesteps (`expand_timesteps`).
 """
 
 import json
@@ -55,7 +55,17 @@ def latent_shape(pipe, height, width, num_frames):
 
 
 def check(config, args):
-    """--num-frames against the VAE's temporal factor, from a local folder's configs before loading."""
+    """Wan2.2's two-expert and per-token-timestep checkpoints are refused (a hub id: by its name); --num-frames against
+    the VAE's temporal factor, from a local folder's configs before loading."""
+    local = (Path(args.model).expanduser() / "model_index.json").is_file()
+    name = args.model.lower()
+    if (config.get("boundary_ratio") is not None or (config.get("transformer_2") or [None])[0]) if local else "a14b" in name:
+        raise common.UserError(
+            f"model {args.model!r}: Wan2.2-A14B's second expert (transformer_2 below boundary_ratio) is not supported; "
+            f"sampling with the first alone would not be the model"
+        )
+    if config.get("expand_timesteps") if local else "ti2v" in name:
+        raise common.UserError(f"model {args.model!r}: Wan2.2-TI2V's per-token timesteps (expand_timesteps) are not supported")
     try:
         vae = json.loads((Path(args.model).expanduser() / "vae" / "config.json").read_text())
     except (OSError, ValueError):

@@ -406,3 +406,38 @@ def test_family_flags_are_refused_in_one_line_before_anything_is_written(
     rc, err = call("nft", argv + flags.split(), capsys)
     assert_one_line(rc, err, expected)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="session")
+def wan22_dirs(family_dirs, tmp_path_factory):
+    """The tiny Wan marked as Wan2.2-A14B (a second expert below boundary_ratio 0.875) and as Wan2.2-TI2V (per-token
+    timesteps), as their released model_index.json say."""
+    import json
+    import shutil
+
+    dirs = {}
+    for name, extra in (
+        ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}),
+        ("ti2v", {"expand_timesteps": True}),
+    ):
+        path = tmp_path_factory.mktemp("wan22") / name
+        shutil.copytree(family_dirs("wan"), path)
+        if "transformer_2" in extra:
+            shutil.copytree(path / "transformer", path / "transformer_2")
+        index = json.loads((path / "model_index.json").read_text())
+        (path / "model_index.json").write_text(json.dumps({**index, **extra}))
+        dirs[name] = str(path)
+    return dirs
+
+
+@pytest.mark.parametrize("variant, expected", [("a14b", "Wan2.2-A14B's second expert"), ("ti2v", "per-token timesteps")])
+def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs, tmp_path, capsys):
+    from test_bad_inputs import TINY, assert_one_line, call
+
+    argv = [*TINY, "--model", wan22_dirs[variant], "--output-dir", str(tmp_path / "runs")]
+    assert_one_line(*call("nft", argv, capsys), expected)
+    assert not (tmp_path / "runs").exists()
+    from diffusers import WanPipeline  # the folders are what the stock pipeline loads as Wan2.2
+
+    pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
+    assert (pipe.transformer_2 is not None) == (variant == "a14b")
