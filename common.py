@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -256,14 +257,20 @@ class Family:
     extra [B, ...]), one record per prompt: `extra` is the family's second text input, CLIP's pooled vector (SD3,
     FLUX.1), a token mask (families with variable-length text) or an empty [B, 0]. `velocity(transformer, x, sigma [B],
     embeds, extra, neg, guidance_scale)` -> v = eps - x0 (fp32, x's shape), CFG included; `neg` = the negative prompt's
-    (embeds, extra). `latent_shape(pipe, resolution or None)` -> what the sampler draws for one sample (the family's own
-    layout, e.g. FLUX.2's patchified, normalised latents); `tokens(latent_shape)` -> image tokens (for the shift);
-    `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
-    [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
+    (embeds, extra). `latent_shape(pipe, height, width, num_frames)` (pixels and frames, None: the model's default) ->
+    what the sampler draws for one sample (the family's own layout, e.g. FLUX.2's patchified, normalised latents);
+    `tokens(latent_shape)` -> image tokens (for the shift); `mu(scheduler config, tokens, num_steps)` -> the dynamic
+    shift's mu; `decode(pipe, latents)` -> images in [-1, 1], [B, 3, H, W] (video: [B, F, 3, H, W]);
+    `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
     the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
+    `num_frames`: a video family's default frames per video (None: an image family); `check(config, args)`: the
+    family's checks of the scripts' flags against the pipeline's model_index.json (`pipeline_config`), before loading;
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
-    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
+    `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction);
+    `text_length(pipe, prompts, max_sequence_length)` -> the text length a batch is encoded at, for families whose
+    embedding of a prompt depends on the rest of its batch (CogView4: GLM sees the batch's padding, unmasked); `encode`
+    then takes it as `length=` and `PromptEncoder` caches per (prompt, length)."""
 
     name: str
     pipelines: tuple
@@ -279,6 +286,10 @@ class Family:
     lora_targets: tuple = ("to_q", "to_k", "to_v", "to_out.0")
     scheduler: Optional[Callable] = None  # (pipe) -> the flow-matching scheduler to sample with, if not the pipeline's
     encode_negative: Optional[Callable] = None  # like `encode`, for the negative prompt where the pipeline encodes it apart
+    text_length: Optional[Callable] = None  # (pipe, prompts, max_sequence_length) -> a batch's text length (see above)
+    card: Optional[Callable] = None  # (Model, call, settings) -> (setup lines, call, output): see `card_call`
+    num_frames: Optional[int] = None  # video families: frames per video by default
+    check: Optional[Callable] = None  # (model_index.json as a dict, args) -> None, raises UserError
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -331,6 +342,18 @@ class Model:
         )
 
 
+def pipeline_config(model: str) -> dict:
+    """A local folder's model_index.json; for a hub id (not downloaded before loading) only its guessed `_class_name`."""
+    local = Path(model).expanduser()
+    try:
+        return json.loads((local / "model_index.json").read_text())
+    except (OSError, ValueError):
+        try:
+            return {"_class_name": pipeline_class(model)}
+        except UserError:
+            return {}  # load_pipeline reports it
+
+
 def pipeline_class(model: str) -> str:
     """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
     local = Path(model).expanduser()
@@ -363,12 +386,22 @@ HUB_NAMES = (
 )
 
 
-def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.float32, resolution: Optional[int] = None):
+def load_pipeline(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    resolution: Optional[int] = None,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    num_frames: Optional[int] = None,
+):
     """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
 
     The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
-    `resolution` (pixels, default the model's native size) sets the returned `Model.latent_shape`, what the sampler
-    draws, in the family's layout; the resolution-dependent shift of some families follows from it (`Model.sigmas`).
+    `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
+    `num_frames` set the returned `Model.latent_shape`, what the sampler draws, in the family's layout; the
+    resolution-dependent shift of some families follows from it (`Model.sigmas`).
     """
     import transformers
 
@@ -383,6 +416,8 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
             f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
         )
     family = FAMILIES[cls]
+    if num_frames is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {num_frames}: {cls} makes images, not videos")
     verbosity = transformers.logging.get_verbosity()
     # importing the pipelines warns about torchvision for SD3's unused image encoder
     transformers.logging.set_verbosity_error()
@@ -403,7 +438,7 @@ def load_pipeline(model: str, device: torch.device, dtype: torch.dtype = torch.f
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
     pipe.set_progress_bar_config(disable=True)
-    shape = family.latent_shape(pipe, resolution)
+    shape = family.latent_shape(pipe, height or resolution, width or resolution, num_frames or family.num_frames)
     for m in pipe.components.values():
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
@@ -627,22 +662,30 @@ class PromptEncoder:
         return [m for n, m in sorted(self.pipe.components.items()) if n.startswith("text_encoder") and m is not None]
 
     @torch.no_grad()
-    def _encode(self, prompts: Sequence[str]):
-        """Encode `prompts` as one batch into the cache."""
+    def _encode(self, prompts: Sequence[str], length: Optional[int] = None):
+        """Encode `prompts` as one batch into the cache (at text `length`, cached per (prompt, length), if given)."""
         # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
         device = self.text_encoders()[0].device
-        e, p = self.family.encode(self.pipe, list(prompts), device, self.max_sequence_length)  # a copy: Z-Image edits the list
+        kwargs = {} if length is None else {"length": length}
+        e, p = self.family.encode(
+            self.pipe, list(prompts), device, self.max_sequence_length, **kwargs
+        )  # a copy: Z-Image edits it
         for i, prompt in enumerate(prompts):
-            self.cache[prompt] = (e[i].to(self.cache_device), p[i].to(self.cache_device))
+            self.cache[prompt if length is None else (prompt, length)] = (
+                e[i].to(self.cache_device),
+                p[i].to(self.cache_device),
+            )
 
     def __call__(self, prompts: Sequence[str]):
         # a prompt not cached is encoded alone: the text encoders' output depends (~1e-6) on the batch it is computed in,
         # so batching the prompts that happen to be new would make an embedding depend on the run's history and a
         # resumed run (empty cache) drift from the uninterrupted one. Alone costs ~4 ms/prompt on tiny-text (CPU).
-        for prompt in dict.fromkeys(p for p in prompts if p not in self.cache):
-            self._encode([prompt])
-        embeds = pad_stack([self.cache[p][0] for p in prompts]).to(self.device)
-        extra = pad_stack([self.cache[p][1] for p in prompts]).to(self.device)
+        length = self.family.text_length(self.pipe, prompts, self.max_sequence_length) if self.family.text_length else None
+        keys = list(prompts) if length is None else [(p, length) for p in prompts]
+        for key in dict.fromkeys(k for k in keys if k not in self.cache):
+            self._encode([key if length is None else key[0]], length)
+        embeds = pad_stack([self.cache[k][0] for k in keys]).to(self.device)
+        extra = pad_stack([self.cache[k][1] for k in keys]).to(self.device)
         return embeds, extra
 
     def cond(self, prompts: Sequence[str], negative: bool = True) -> Cond:
@@ -668,8 +711,14 @@ class PromptEncoder:
         """Cache every prompt (and the negative prompt) now, `batch` at a time, e.g. before `offload`.
 
         Called once at start with the run's whole prompt set (4000 tiny-text prompts: 2.5 s on CPU, vs 16 s one by one);
-        these embeddings differ from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume."""
+        these embeddings differ from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume.
+        A family with `text_length` (CogView4) caches each prompt at its own length: a batch with a longer prompt
+        encodes the shorter ones again at that length (on the CPU after `offload`)."""
         prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
+        if self.family.text_length is not None:  # a batch's embeddings depend on it: each prompt alone, at its own length
+            for prompt in prompts:
+                self([prompt])
+            return
         for k in range(0, len(prompts), batch):  # fixed chunks of a fixed list: the same embeddings in every run and resume
             self._encode(prompts[k : k + batch])
         if self.family.encode_negative is not None:  # the negative prompt encoded the family's own way, cached too
@@ -683,6 +732,14 @@ class PromptEncoder:
             m.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def capped_tokens(requested: Optional[int], default: int, maximum: int) -> int:
+    """A family's `max_sequence_length`: --max-sequence-length (None: the pipeline's `default`, capped at the
+    tokenizer's `maximum`); more than `maximum` is refused, not cut silently."""
+    if requested is not None and requested > maximum:
+        raise UserError(f"--max-sequence-length {requested}: this model's tokenizer takes at most {maximum} tokens")
+    return min(requested or default, maximum)
 
 
 def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -1307,6 +1364,11 @@ def check_args(args, fresh: bool = True):
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
     if reason:
         raise UserError(f"--compile: {reason}; run without --compile (eager)")
+    for name in ("height", "width", "num_frames", "max_sequence_length"):
+        if fields.get(name) is not None and fields[name] <= 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
+    if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
+        raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)
@@ -1314,10 +1376,17 @@ def check_args(args, fresh: bool = True):
     if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
         if not (model / "model_index.json").is_file():
             raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
-        if args.resolution is not None:
-            check_resolution(model, args.resolution)
+        for name in ("resolution", "height", "width"):
+            if fields.get(name) is not None:
+                check_resolution(model, fields[name], name)
     elif args.resolution is not None and args.resolution <= 0:
         raise UserError(f"--resolution {args.resolution}: must be > 0")
+    config = pipeline_config(args.model)
+    family = FAMILIES.get(config.get("_class_name"))
+    if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
+    if family is not None and family.check is not None:
+        family.check(config, args)
     if fresh:
         out = Path(args.output_dir).expanduser()
         parent = out
@@ -1329,10 +1398,11 @@ def check_args(args, fresh: bool = True):
             )
 
 
-def check_resolution(model: Path, resolution: int):
-    """`load_pipeline`'s resolution check from the folder's configs alone, before the model loads."""
+def check_resolution(model: Path, resolution: int, name: str = "resolution"):
+    """`load_pipeline`'s resolution check (of --resolution, --height or --width: `name`) from the folder's configs
+    alone, before the model loads."""
     if resolution <= 0:
-        raise UserError(f"--resolution {resolution}: must be > 0")
+        raise UserError(f"--{name} {resolution}: must be > 0")
     try:
         vae = json.loads((model / "vae" / "config.json").read_text())
         transformer = json.loads((model / "transformer" / "config.json").read_text())
@@ -1348,7 +1418,7 @@ def check_resolution(model: Path, resolution: int):
     )
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
-        raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
+        raise UserError(f"{name} {resolution} must be a multiple of {factor * patch}")
 
 
 def given_flags(args) -> set:
@@ -1673,14 +1743,44 @@ def export_lora(
     return out_dir
 
 
-def lora_snippet(pipe_class: str, model: str, lora_dir: str, call: str, gpu: bool = False, no_t5: bool = False) -> str:
-    """The 5 lines that load an exported LoRA into a stock diffusers pipeline and draw one image (6 on a GPU)."""
+def card_call(pipe, settings: dict) -> tuple:
+    """How the stock pipeline reproduces our ODE sampler: (setup lines run after loading, {keyword: Python source} of
+    `pipe(prompt, ...)`, "images" or "frames"). `settings`: num_steps, guidance_scale, negative_prompt,
+    max_sequence_length (the encoder's), height, width (pixels or None), num_frames. What differs per family (the
+    keyword of the guidance, the scheduler, the sigma grid) is the family's `card`."""
+    g = float(settings["guidance_scale"])
+    call = {"num_inference_steps": str(settings["num_steps"]), "guidance_scale": repr(g)}
+    if g > 1:
+        call["negative_prompt"] = json.dumps(settings.get("negative_prompt") or "")
+    if settings.get("height"):
+        call["height"] = str(settings["height"])
+    if settings.get("width"):
+        call["width"] = str(settings["width"])
+    if "max_sequence_length" in inspect.signature(type(pipe.pipe).__call__).parameters:
+        call["max_sequence_length"] = str(settings["max_sequence_length"])
+    return pipe.family.card(pipe, call, settings) if pipe.family.card else ([], call, "images")
+
+
+def lora_snippet(
+    pipe_class: str, model: str, lora_dir: str, setup: list, call: dict, output: str, gpu: bool = False, no_t5: bool = False
+) -> str:
+    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`)."""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
     load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
-    return ("import torch\n" if gpu else "") + (
-        f"from diffusers import {pipe_class}\npipe = {load}\npipe.load_lora_weights({json.dumps(lora_dir)})\n"
-        f'image = pipe({call}).images[0]\nimage.save("sample.png")\n'
-    )
+    code = "\n".join([*setup, "", *call.values()])
+    imports = ["import numpy as np"] * ("np." in code) + ["import torch"] * (gpu or "torch." in code)
+    imports += [f"from diffusers import {pipe_class}"] + [x for x in setup if x.startswith(("from ", "import "))]
+    setup = "\n".join(x for x in setup if not x.startswith(("from ", "import "))).strip("\n").splitlines()
+    if output == "frames":
+        imports.append("from diffusers.utils import export_to_video")
+    kwargs = ", ".join(f"{k}={v}" for k, v in call.items())
+    save = 'export_to_video(videos[0], "sample.mp4", fps=16)' if output == "frames" else 'images[0].save("sample.png")'
+    lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+    lines += [
+        'prompt = ["a red circle"]',
+        f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
+    ]
+    return "\n".join(lines + [save]) + "\n"
 
 
 def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
@@ -1689,18 +1789,21 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     doc = (algo_doc or "").strip()
     algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
     pipe_class, model = type(pipe.pipe).__name__, str(config.get("model", ""))
-    call = f'"a red circle", num_inference_steps={config.get("num_steps")}, guidance_scale={config.get("guidance_scale")}'
     no_t5 = pipe_class == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
-    if no_t5:  # the zero padding that stands in for T5 must be as long as in training (common.PromptEncoder)
-        call += ", max_sequence_length=1"
-    if config.get("resolution"):
-        call += f", height={config['resolution']}, width={config['resolution']}"
+    # the scripts' Args have every field; a bare record (another caller) gets the scripts' defaults
+    settings = {k: config.get(k) or default for k, default in (("num_steps", 10), ("guidance_scale", 1.0))}
+    settings["negative_prompt"] = config.get("negative_prompt") or ""
+    settings["height"] = config.get("height") or config.get("resolution")
+    settings["width"] = config.get("width") or config.get("resolution")
+    settings["num_frames"] = config.get("num_frames") or pipe.family.num_frames
+    # as long as in training (PromptEncoder): e.g. SD3 without T5 pads with 1 zero token, not the pipeline's 256
+    settings["max_sequence_length"] = pipe.family.max_sequence_length(pipe.pipe, config.get("max_sequence_length"))
     front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
     targets = ", ".join(config.get("lora_targets", ()))
-    snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
+    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
     lines = front + [
         "---",
         "",

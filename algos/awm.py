@@ -79,6 +79,16 @@ class Args:
     """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
     resolution: Optional[int] = None
     """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+    height: Optional[int] = None
+    """image height in pixels, for non-square images; default --resolution"""
+    width: Optional[int] = None
+    """image width in pixels, for non-square images; default --resolution"""
+    num_frames: Optional[int] = None
+    """frames per video (video models only; Wan: 4k + 1, default 33)"""
+    negative_prompt: str = ""
+    """the negative prompt of CFG (used when a guidance scale > 1)"""
+    max_sequence_length: Optional[int] = None
+    """text tokens per prompt; default the family's (its pipeline's, e.g. FLUX 512, CogView4 1024; tiny-shapes 1)"""
 
     # Model & sampler
     model: str = common.TINY_MODEL
@@ -339,7 +349,15 @@ def main(args: Args):
     # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
     train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
     rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
-    pipe = common.load_pipeline(args.model, device, common.DTYPES[args.base_dtype], args.resolution)
+    pipe = common.load_pipeline(
+        args.model,
+        device,
+        common.DTYPES[args.base_dtype],
+        args.resolution,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+    )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
@@ -350,7 +368,7 @@ def main(args: Args):
         common.enable_gradient_checkpointing(transformer)
     if args.compile:
         common.compile_transformer(transformer)
-    encoder = common.PromptEncoder(pipe)
+    encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
     if args.offload_text_encoders:
         encoder.precompute(train_prompts + test_prompts)
         encoder.offload()

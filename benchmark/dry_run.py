@@ -178,8 +178,8 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
     meter = SavedTensorMeter()
     load = common.load_pipeline
 
-    def load_with_sd35(model, device, dtype=torch.float32, resolution=None):
-        pipe = load(model, device, dtype, resolution)
+    def load_with_sd35(model, device, dtype=torch.float32, resolution=None, **sizes):
+        pipe = load(model, device, dtype, resolution, **sizes)
         t0 = time.perf_counter()
         torch.manual_seed(0)
         default = torch.get_default_dtype()

@@ -32,7 +32,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return min(requested or 512, pipe.tokenizer_2.model_max_length)  # FluxPipeline's default, capped at T5's maximum
+    return common.capped_tokens(requested, 512, pipe.tokenizer_2.model_max_length)  # FluxPipeline's default; T5's maximum
 
 
 def image_ids(h: int, w: int, device) -> torch.Tensor:
@@ -60,10 +60,23 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     return unpack_latents(out, h, w)
 
 
-def latent_shape(pipe, resolution):
+def check(config, args):
+    if args.negative_prompt:
+        raise common.UserError(
+            "--negative-prompt: FLUX.1's guidance is an embedding (one pass): no negative prompt (FluxPipeline's "
+            "two-pass true_cfg_scale is not supported)"
+        )
+
+
+def card(pipe, call, settings):
+    """FluxPipeline's `guidance_scale` is the guidance embedding's (FLUX.1-dev; schnell ignores it): no negative prompt."""
+    return [], {k: v for k, v in call.items() if k != "negative_prompt"}, "images"
+
+
+def latent_shape(pipe, height, width, num_frames):
     # latents are packed into 2x2 patches (in_channels = 4 C); FLUX's native size is its VAE's (1024)
-    side = common.latent_side(resolution or pipe.vae.config.sample_size, 0, pipe.vae_scale_factor, 2)
-    return pipe.transformer.config.in_channels // 4, side, side
+    h, w = (common.latent_side(s or pipe.vae.config.sample_size, 0, pipe.vae_scale_factor, 2) for s in (height, width))
+    return pipe.transformer.config.in_channels // 4, h, w
 
 
 FAMILY = common.Family(
@@ -77,5 +90,7 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
+    check=check,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

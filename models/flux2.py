@@ -6,9 +6,13 @@ patches as channels, normalised by the VAE's BatchNorm running statistics (no sc
 [4C, h/2, w/2] and the transformer sees them flattened [h/2 * w/2, 4C] with 4-axis position ids (t, row, col, l):
 image (0, r, c, 0), text (0, 0, 0, l). timestep = sigma. Shift: mu = `compute_empirical_mu(tokens, num_steps)`, which
 depends on the step count too. Guidance: dev has a guidance embedding (single pass, scale 4 typical); klein base
-runs two-pass CFG against the negative prompt (two calls, as the pipeline); the distilled klein checkpoints run
-without CFG (pass --guidance-scale 1; the pipeline ignores the scale for them).
+runs two-pass CFG against the negative prompt (two calls, as the pipeline; its `__call__` takes the negative prompt
+as `negative_prompt_embeds`); the distilled klein checkpoints (`is_distilled`) run without CFG: the pipeline ignores
+the scale for them, and `check` refuses a scale > 1 before loading.
 """
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -21,7 +25,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return min(requested or 512, pipe.tokenizer.model_max_length)  # the pipelines' default, capped at the tokenizer's
+    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipelines' default
 
 
 def ids(batch: int, h: int, w: int, text: int, device):
@@ -60,16 +64,44 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
     return v
 
 
-def latent_shape(pipe, resolution):
+def latent_shape(pipe, height, width, num_frames):
     factor = pipe.vae_scale_factor
-    side = common.latent_side(resolution or pipe.default_sample_size * factor, 0, factor, 2)
-    return pipe.transformer.config.in_channels, side // 2, side // 2
+    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    return pipe.transformer.config.in_channels, h // 2, w // 2
 
 
 def mu(config, tokens, num_steps):
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
     return compute_empirical_mu(tokens, num_steps)
+
+
+def check(config, args):
+    """FLUX.2-dev takes no negative prompt (its guidance is an embedding); a distilled klein checkpoint, no CFG."""
+    scale = max(args.guidance_scale, getattr(args, "eval_guidance_scale", None) or 0)
+    if config.get("_class_name") != "Flux2KleinPipeline":
+        if args.negative_prompt:
+            raise common.UserError("--negative-prompt: FLUX.2-dev's guidance is an embedding (one pass): no negative prompt")
+        return
+    local = (Path(args.model).expanduser() / "model_index.json").is_file()
+    # a hub id's model_index.json is not read before loading: the released klein-4B/-9B are distilled, klein-base-* not
+    distilled = config.get("is_distilled", False) if local else "base" not in args.model.lower()
+    if distilled and scale > 1:
+        raise common.UserError(
+            f"guidance scale {scale}: {args.model} is a distilled FLUX.2-klein, which samples without CFG "
+            f"(Flux2KleinPipeline ignores the scale); pass --guidance-scale 1, or train a klein-base checkpoint"
+        )
+
+
+def card(pipe, call, settings):
+    """dev: the guidance embedding, no negative prompt; klein: its negative prompt is "" unless given as embeddings."""
+    call = {k: v for k, v in call.items() if k != "negative_prompt"}
+    neg = settings.get("negative_prompt")
+    if type(pipe.pipe).__name__ == "Flux2KleinPipeline" and float(settings["guidance_scale"]) > 1 and neg:
+        call["negative_prompt_embeds"] = (
+            f"pipe.encode_prompt([{json.dumps(neg)}] * len(prompt), max_sequence_length={settings['max_sequence_length']})[0]"
+        )
+    return [], call, "images"
 
 
 def decode(pipe, z):
@@ -93,5 +125,7 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2],
     mu=mu,
+    check=check,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

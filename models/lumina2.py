@@ -48,10 +48,10 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return -v
 
 
-def latent_shape(pipe, resolution):
+def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
-    side = common.latent_side(resolution or pipe.default_image_size, 0, factor, cfg.patch_size)
-    return cfg.in_channels, side, side
+    h, w = (common.latent_side(s or pipe.default_image_size, 0, factor, cfg.patch_size) for s in (height, width))
+    return cfg.in_channels, h, w
 
 
 FAMILY = common.Family(

@@ -9,6 +9,8 @@ FLUX.1 and builds its rotary embedding from `img_shapes`. timestep = sigma. Shif
 rescale of the combined prediction to the conditional one's norm.
 """
 
+import json
+
 import torch
 
 import common
@@ -51,10 +53,20 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return unpack_latents(v, h, w)
 
 
-def latent_shape(pipe, resolution):
+def card(pipe, call, settings):
+    """QwenImagePipeline's CFG is `true_cfg_scale`, on only with a negative prompt; its `guidance_scale` is the
+    guidance embedding's (none in the released models)."""
+    call = {k: v for k, v in call.items() if k not in ("guidance_scale", "negative_prompt")}
+    call["true_cfg_scale"] = repr(float(settings["guidance_scale"]))
+    if float(settings["guidance_scale"]) > 1:
+        call["negative_prompt"] = f"[{json.dumps(settings.get('negative_prompt') or '')}] * len(prompt)"
+    return [], call, "images"
+
+
+def latent_shape(pipe, height, width, num_frames):
     factor = pipe.vae_scale_factor
-    side = common.latent_side(resolution or pipe.default_sample_size * factor, 0, factor, 2)
-    return pipe.transformer.config.in_channels // 4, side, side
+    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    return pipe.transformer.config.in_channels // 4, h, w
 
 
 def decode(pipe, z):
@@ -76,5 +88,6 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

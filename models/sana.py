@@ -64,10 +64,21 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return common.cfg(*out.chunk(2), guidance_scale) if cfg else out
 
 
-def latent_shape(pipe, resolution):
+def card(pipe, call, settings):
+    """Sample with our Euler scheduler (the released DPM-Solver's flow_shift) on our grid, without resolution binning."""
+    n, shift = settings["num_steps"], pipe.scheduler.config.shift
+    setup = [
+        "from diffusers import FlowMatchEulerDiscreteScheduler",
+        f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={shift})",
+    ]
+    call = {**call, "sigmas": f"np.linspace(1.0, 1 / {n}, {n}).tolist()", "use_resolution_binning": "False"}
+    return setup, call, "images"
+
+
+def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
-    side = common.latent_side(resolution or cfg.sample_size * factor, 0, factor, cfg.patch_size)
-    return cfg.in_channels, side, side
+    h, w = (common.latent_side(s or cfg.sample_size * factor, 0, factor, cfg.patch_size) for s in (height, width))
+    return cfg.in_channels, h, w
 
 
 FAMILY = common.Family(
@@ -81,4 +92,5 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     scheduler=common.euler_scheduler,
     encode_negative=encode_negative,
+    card=card,
 )

@@ -44,10 +44,16 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     )[0].float()
 
 
-def latent_shape(pipe, resolution):
+def latent_shape(pipe, height, width, num_frames):
     cfg = pipe.transformer.config
-    side = common.latent_side(resolution, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size)
-    return cfg.in_channels, side, side
+    h, w = (common.latent_side(s, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size) for s in (height, width))
+    return cfg.in_channels, h, w
+
+
+def card(pipe, call, settings):
+    """SD3's pipeline samples on the scheduler's default grid: pass ours (`common.sigma_schedule`)."""
+    n = settings["num_steps"]
+    return [], {**call, "sigmas": f"np.linspace(1.0, 1 / {n}, {n}).tolist()"}, "images"
 
 
 def load_kwargs(local):
@@ -67,5 +73,6 @@ FAMILY = common.Family(
     decode=common.vae_decode,
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
+    card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -23,7 +23,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return min(requested or 512, pipe.tokenizer.model_max_length)  # the pipeline's default, capped at the tokenizer's
+    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipeline's default
 
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
@@ -42,10 +42,20 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
     return -out
 
 
-def latent_shape(pipe, resolution):
+def card(pipe, call, settings):
+    """ZImagePipeline's guidance_scale is ours - 1 (CFG on above 0)."""
+    call = {**call, "guidance_scale": repr(float(settings["guidance_scale"]) - 1)}
+    if "negative_prompt" in call:
+        call["negative_prompt"] = f"[{call['negative_prompt']}] * len(prompt)"
+    return [], call, "images"
+
+
+def latent_shape(pipe, height, width, num_frames):
     factor, patch = pipe.vae_scale_factor, pipe.transformer.config.all_patch_size[0]
-    side = common.latent_side(resolution or 1024, 0, factor, patch)  # the pipeline's default height and width
-    return pipe.transformer.config.in_channels, side, side
+    h, w = (
+        common.latent_side(s or 1024, 0, factor, patch) for s in (height, width)
+    )  # the pipeline's default height and width
+    return pipe.transformer.config.in_channels, h, w
 
 
 FAMILY = common.Family(
@@ -59,4 +69,5 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
+    card=card,
 )

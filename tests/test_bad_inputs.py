@@ -54,6 +54,11 @@ SHARED = {
     "--eval-ema-decay 1": "--eval-ema-decay 1.0: must be in [0, 1)",
     "--push-to-hub not/a/repo": "is not a hub repo id",
     "--reward shapes_clean:2,shapes:nan": "bad weight 'nan' for reward 'shapes'",
+    "--height 50": "height 50 must be a multiple of 8",
+    "--width=-8": "--width -8: must be > 0",
+    "--num-frames 5": "StableDiffusion3Pipeline makes images, not videos",
+    "--negative-prompt blurry": "--negative-prompt is used by CFG only",
+    "--max-sequence-length 0": "--max-sequence-length 0: must be > 0",
 }
 # single-script checks (and shared ones run once: they cost a model load or are covered by the table above)
 SPECIFIC = [

@@ -3,37 +3,31 @@ our ODE sampler with the family adapter equals `Pipeline.__call__` with the same
 where the family has it); NFT and GRPO train a LoRA on it; the exported LoRA loads into the stock pipeline."""
 
 import importlib.util
-import inspect
 import signal
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tiny_families
 import torch
-from conftest import ode_sample
 from safetensors.torch import load_file
 
 import common
 import models
-from models import flux, wan
+from models import flux
+
+FRAMES = 5  # Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2)
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def few_frames():
-    """Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2) instead of 33."""
-    frames, wan.NUM_FRAMES = wan.NUM_FRAMES, 5
-    yield
-    wan.NUM_FRAMES = frames
-
-
 @pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory):
-    """Each family's tiny pipeline, built and saved once per test session (the build is lazy: per family asked)."""
-    root, built = tmp_path_factory.mktemp("families"), {}
+def family_dirs(tmp_path_factory, random_pipeline_dir, flux_pipeline_dirs):
+    """Each family's tiny pipeline, built and saved once per test session (the build is lazy: per family asked); SD3's
+    and FLUX.1's are conftest's."""
+    root, built = tmp_path_factory.mktemp("families"), {"sd3": random_pipeline_dir, "flux_dev": flux_pipeline_dirs["dev"]}
 
     def get(name):
         if name not in built:
@@ -45,84 +39,113 @@ def family_dirs(tmp_path_factory):
 
 # peft's LoRA layer (ours, fp32 master weights) against diffusers' loaded one: the same weights, summed in another order
 LORA_TOL = 1e-5
-# family -> (builder, pixels, CFG scale, max abs tolerance on images in [0, 1], pipeline call keywords)
+# family -> (builder, pixels, max abs tolerance on images in [0, 1]); the pipeline is called as the exported model card
+# says (`common.card_call`: each family's guidance keyword, scheduler and grid)
 FAMILIES = {
+    # one batched 2B call, as the pipeline; the pipeline's default grid is not ours: the card passes our sigmas: measured 0.0
+    "sd3": ("sd3", 64, 1e-5),
+    # one call with the guidance embedding, as the pipeline (no negative prompt): measured 0.0
+    "flux_dev": ("flux_dev", 32, 1e-5),
     # the same transformer calls in the same order (two CFG passes, as the pipeline), the same BatchNorm un-normalisation:
     # measured 0.0 here; 1e-5 leaves room for other BLAS kernels
-    "flux2_klein": ("flux2_klein", 32, 4.0, 1e-5, {}),
-    # one call with the guidance embedding, as the pipeline (the negative prompt unused): measured 0.0
-    "flux2_dev": ("flux2_dev", 32, 4.0, 1e-5, {}),
-    # the same calls in the same order, the CFG renormalisation included; our prompts are encoded alone (history-independent
-    # embeddings) where the pipeline encodes the batch at once, which moves the text encoder's output ~1e-7: measured 2.4e-7
-    "qwen_image": (
-        "qwen_image",
-        32,
-        4.0,
-        1e-5,
-        dict(latents=flux.pack_latents, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=[""] * len(PROMPTS)),
-    ),
+    "flux2_klein": ("flux2_klein", 32, 1e-5),
+    # one call with the guidance embedding, as the pipeline (no negative prompt): measured 0.0
+    "flux2_dev": ("flux2_dev", 32, 1e-5),
+    # the same calls in the same order, the CFG renormalisation included (the pipeline's true_cfg_scale); our prompts are
+    # encoded alone (history-independent embeddings) where the pipeline encodes the batch at once, which moves the text
+    # encoder's output ~1e-7: measured 2.4e-7
+    "qwen_image": ("qwen_image", 32, 1e-5),
     # the same batched 2B call and the pipeline's own CFG expression (its guidance_scale is ours - 1); prompts encoded alone
     # as for Qwen-Image: measured 6.3e-7
-    "z_image": ("z_image", 32, 4.0, 1e-5, dict(guidance_scale=3.0, negative_prompt=[""] * len(PROMPTS))),
-    # the same two CFG passes; WanPipeline takes no sigmas (the test sets its scheduler's grid to ours) and returns
-    # video [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.2e-7
+    "z_image": ("z_image", 32, 1e-5),
     # one batched 2B call, as the pipeline; the negative prompt without the instruction, as the pipeline: measured 0.0
-    "sana": ("sana", 32, 4.0, 1e-5, dict(use_resolution_binning=False)),
+    "sana": ("sana", 32, 1e-5),
     # the same two calls and the pipeline's CFG renormalisation; the negative prompt without the system prompt: measured 0.0
-    "lumina2": ("lumina2", 64, 4.0, 1e-5, {}),
+    "lumina2": ("lumina2", 64, 1e-5),
     # the same two calls; the pipeline is given our (unshifted) grid as its integer timesteps (4 steps: 1000, 750, 500,
-    # 250) and prompts truncated to 16 tokens, so that its batch padding equals ours; the shift inverted in float32 gives
-    # back these times exactly: measured 0.0
-    "cogview4": ("cogview4", 64, 4.0, 1e-5, dict(timesteps=lambda _: [1000, 750, 500, 250])),
-    "wan": ("wan", 32, 4.0, 1e-5, dict(num_frames=lambda _: wan.NUM_FRAMES, negative_prompt="")),
+    # 250); the prompts (13, 17 and 9 tokens) padded to the batch's longest rounded up to 16 (32), the negative prompt to
+    # its own 16, as the pipeline; the shift inverted in float32 gives back these times exactly: measured 0.0
+    "cogview4": ("cogview4", 64, 1e-5),
+    # the same two CFG passes; WanPipeline takes no sigmas (the card's scheduler sets our grid) and returns video
+    # [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.2e-7
+    "wan": ("wan", 32, 1e-5),
 }
+# the settings each family is compared in; the prompts (8 to 16 characters) always differ in length
+SETTINGS = {
+    "cfg": dict(guidance_scale=4.0),
+    "no_cfg": dict(guidance_scale=1.0),
+    "negative_prompt": dict(guidance_scale=4.0, negative_prompt="blurry, low quality"),
+    "non_square": dict(guidance_scale=4.0, wide=True),  # width = 2 x height
+}
+NO_NEGATIVE = {"flux_dev", "flux2_dev"}  # guidance embedding, one pass: a negative prompt is refused (FAMILY_BAD_INPUTS)
+CASES = [(f, s) for f in sorted(FAMILIES) for s in SETTINGS if not (s == "negative_prompt" and f in NO_NEGATIVE)]
 
 
-def compare_with_pipeline(pipe, stock, family, steps: int = 4) -> float:
-    """Max abs difference between our ODE sampler's images and `stock.__call__`'s with the same noise and sigmas."""
-    _, pixels, guidance, tol, extra = FAMILIES[family]
-    noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
-    out, enc = ode_sample(pipe, PROMPTS, noise, steps, guidance)
-    ours = common.decode(pipe, out.latents)
-    call = dict(
-        prompt=list(PROMPTS),
-        latents=noise.clone(),
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        height=pixels,
-        width=pixels,
-        sigmas=np.linspace(1.0, 1.0 / steps, steps).tolist(),
-        output_type="pt",
+def pipeline_latents(pipe, noise):
+    """Our initial noise in the layout the pipeline's `latents` argument takes (FLUX.1, Qwen-Image: 2x2 tokens)."""
+    return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage") else noise
+
+
+def load(family, family_dirs, setting="cfg"):
+    builder, pixels, _ = FAMILIES[family]
+    wide = SETTINGS[setting].get("wide")
+    return common.load_pipeline(
+        family_dirs(builder), CPU, resolution=pixels, width=2 * pixels if wide else None, num_frames=frames(family)
     )
-    # the family's own keywords and layouts; lists copied: ZImagePipeline rewrites its prompt lists in place
-    call.update({k: v(call.get(k)) if callable(v) else list(v) if isinstance(v, list) else v for k, v in extra.items()})
-    if "max_sequence_length" in inspect.signature(pipe.pipe.__call__).parameters:
-        call["max_sequence_length"] = enc.max_sequence_length
-    if type(stock.scheduler) is not type(pipe.scheduler):  # released with a multistep solver: step it with our Euler one
-        stock.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    if type(stock).__name__ == "WanPipeline":  # no sigmas argument: fix its scheduler's grid to ours
-        call.pop("sigmas")
-        set_timesteps = stock.scheduler.set_timesteps
-        stock.scheduler.set_timesteps = lambda n, device=None: set_timesteps(
-            sigmas=np.linspace(1.0, 1.0 / n, n).tolist(), device=device
-        )
-        ref = stock(**call).frames
-        del stock.scheduler.set_timesteps
-    else:
-        ref = stock(**call).images
+
+
+def card_settings(pipe, steps, guidance_scale, negative_prompt, max_sequence_length):
+    """`common.card_call`'s settings for the size `pipe` was loaded at."""
+    size = common.decode(pipe, torch.zeros(1, *pipe.latent_shape)).shape[-2:]  # pixels, whatever the latent layout
+    return dict(
+        num_steps=steps,
+        guidance_scale=guidance_scale,
+        negative_prompt=negative_prompt,
+        max_sequence_length=max_sequence_length,
+        height=size[0],
+        width=size[1],
+        num_frames=pipe.family.num_frames and FRAMES,
+    )
+
+
+def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) -> float:
+    """Max abs difference between our ODE sampler's images and `stock.__call__`'s, called as the model card says
+    (`common.card_call`), with the same noise."""
+    guidance, negative = SETTINGS[setting]["guidance_scale"], SETTINGS[setting].get("negative_prompt", "")
+    noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe, negative_prompt=negative)
+    out = common.sample(
+        pipe.transformer,
+        pipe.scheduler,
+        enc.cond(PROMPTS, guidance > 1),
+        num_steps=steps,
+        guidance_scale=guidance,
+        noise=noise,
+    )
+    ours = common.decode(pipe, out.latents)
+    setup, call, output = common.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
+    scope = {"pipe": stock, "np": np, "torch": torch, "prompt": list(PROMPTS)}  # ZImagePipeline rewrites its lists: copies
+    exec("\n".join(setup), scope)
+    kwargs = {k: eval(v, scope) for k, v in call.items()}
+    ref = getattr(
+        stock(prompt=scope["prompt"], latents=pipeline_latents(pipe, noise.clone()), output_type="pt", **kwargs), output
+    )
     torch.testing.assert_close(out.sigmas, stock.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule the pipeline set
     assert ours.shape == ref.shape
     assert (ours - ref.flip(0)).abs().max().item() > 1e-3  # the comparison can fail: other prompts give other images
     return (ours - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_ode_sampler_matches_the_pipeline(family, family_dirs):
-    builder, pixels, _, tol, _ = FAMILIES[family]
-    pipe = common.load_pipeline(family_dirs(builder), CPU, resolution=pixels)
-    diff = compare_with_pipeline(pipe, pipe.pipe, family)
-    print(f"{family}: max abs difference {diff:.2e}")
-    assert diff <= tol
+@pytest.mark.parametrize("family, setting", CASES)
+def test_ode_sampler_matches_the_pipeline(family, setting, family_dirs):
+    pipe = load(family, family_dirs, setting)
+    diff = compare_with_pipeline(pipe, pipe.pipe, family, setting)
+    print(f"{family} {setting}: max abs difference {diff:.2e}")
+    assert diff <= FAMILIES[family][2]
+
+
+def frames(family):
+    return FRAMES if family == "wan" else None
 
 
 def load_algo(name: str):
@@ -135,19 +158,21 @@ def load_algo(name: str):
 def train(algo: str, family: str, family_dirs, tmp_path):
     """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline, the
     algorithm's module)."""
-    builder, pixels, guidance, _, _ = FAMILIES[family]
+    builder, pixels, _ = FAMILIES[family]
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
     module = load_algo(algo)
     per_algo = {"nft": dict(num_train_timesteps=1), "grpo": dict(grad_steps_per_epoch=1, num_sde_steps=1)}[algo]
     args = module.Args(
         model=family_dirs(builder),
         resolution=pixels,
-        guidance_scale=guidance,
+        num_frames=frames(family),
+        guidance_scale=4.0,
+        negative_prompt="" if family in NO_NEGATIVE else "blurry, low quality",
         reward="jpeg_compressibility",
         num_prompts=2,
         group_size=4,
         micro_batch=4,
-        num_steps=3,
+        num_steps=4,  # CogView4's pipeline takes integer timesteps: 1000 / 4
         num_epochs=1,
         train_prompts=str(tmp_path / "prompts.txt"),
         test_prompts=str(tmp_path / "prompts.txt"),
@@ -169,29 +194,67 @@ def train(algo: str, family: str, family_dirs, tmp_path):
             for s, h in handlers.items():
                 signal.signal(s, h)
     (run_dir,) = (tmp_path / "runs").iterdir()
-    return run_dir, pipes[-1], module
+    return run_dir, pipes[-1], args
 
 
 @pytest.mark.parametrize("algo", ["nft", "grpo"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
-    run_dir, trained, module = train(algo, family, family_dirs, tmp_path)
+    run_dir, trained, args = train(algo, family, family_dirs, tmp_path)
     weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at 0: any non-zero entry is a trained update
     # the scripts' shared default targets attach to exactly the family's own list (peft skips names a model lacks)
-    targets = {
-        t for t in module.Args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)
-    }
+    targets = {t for t in args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)}
     assert targets == set(trained.family.lora_targets)
     if algo == "nft" and hasattr(trained.pipe, "load_lora_weights"):  # the export loads into the stock pipeline
-        stock = type(trained.pipe).from_pretrained(family_dirs(FAMILIES[family][0]))
+        path = family_dirs(FAMILIES[family][0])
+        stock = type(trained.pipe).from_pretrained(path, **trained.family.load_kwargs(Path(path)))
         stock.set_progress_bar_config(disable=True)
         without = compare_with_pipeline(trained, stock, family)  # the trained LoRA against the base model
         stock.load_lora_weights(str(run_dir / "lora"))
         diff = compare_with_pipeline(trained, stock, family)
         print(f"{family}: exported LoRA in the stock pipeline, max abs difference {diff:.2e} (without it {without:.2e})")
-        assert diff <= FAMILIES[family][3] + LORA_TOL < without
+        assert diff <= FAMILIES[family][2] + LORA_TOL < without
+        card = run_card(run_dir, trained, args, tmp_path)
+        print(f"{family}: the model card's snippet, max abs difference {card:.2e}")
+
+
+def run_card(run_dir, trained, args, tmp_path) -> float:
+    """Execute the exported model card's snippet as written (its one prompt swapped for PROMPTS, the pipeline's noise
+    for ours) and return its images' max abs difference from our sampler's with the run's settings."""
+    import re
+    import sys
+
+    import diffusers.utils
+
+    card = re.search(r"```python\n(.*?)```", (run_dir / "lora" / "README.md").read_text(), re.S).group(1)
+    assert card.count('prompt = ["a red circle"]') == 1 and "<this folder>" in card
+    code = card.replace("<this folder>", str(run_dir / "lora")).replace('prompt = ["a red circle"]', f"prompt = {PROMPTS!r}")
+    noise = torch.randn(len(PROMPTS), *trained.latent_shape, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(trained, negative_prompt=args.negative_prompt)
+    cond = enc.cond(PROMPTS)
+    out = common.sample(
+        trained.transformer, trained.scheduler, cond, num_steps=args.num_steps, guidance_scale=4.0, noise=noise
+    )
+    ours = common.decode(trained, out.latents)
+    scope, saved = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[type(trained.pipe).__module__], "randn_tensor", lambda shape, **_: noise.reshape(shape))
+        # no video writer (imageio, opencv) is installed here: record the frames it is given
+        mp.setattr(diffusers.utils, "export_to_video", lambda frames, path, fps: saved.append((frames, path)))
+        mp.chdir(tmp_path)
+        exec(code, scope)
+    if "videos" in scope:  # WanPipeline's default output: float frames [B, F, H, W, 3]
+        assert saved and np.array_equal(saved[0][0], scope["videos"][0]) and saved[0][1] == "sample.mp4"
+        diff = (ours - torch.from_numpy(scope["videos"]).permute(0, 1, 4, 2, 3)).abs().max().item()
+        assert diff <= FAMILIES["wan"][2] + LORA_TOL
+        return diff
+    assert (tmp_path / "sample.png").is_file()
+    ref = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1) for im in scope["images"]]).float()
+    diff = ((ours * 255).round() - ref).abs().max().item()
+    assert diff <= 1  # both rounded to 8 bits: equal up to a value that lands on the other side of a rounding boundary
+    return diff
 
 
 def test_per_frame_video_reward_is_the_mean_over_frames():
@@ -282,3 +345,99 @@ def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(fami
     torch.testing.assert_close(mask, ref_mask, rtol=0, atol=0)
     as_prompt = enc([""])[0][0]  # as a prompt "" gets the instruction: other embeddings of the same shape
     assert as_prompt.shape == neg[0].shape and (as_prompt - neg[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("max_sequence_length", [None, 10])
+def test_cogview4_text_is_padded_as_the_pipeline_pads_its_batch(family_dirs, max_sequence_length):
+    """CogView4Pipeline pads a batch to its longest prompt (cut at max_sequence_length) rounded up to 16 and GLM sees
+    that padding: PromptEncoder gives each prompt the embedding it has in the pipeline's batch, and the negative prompt
+    the one of [""] * B."""
+    pipe = common.load_pipeline(family_dirs("cogview4"), CPU, resolution=64)
+    enc = common.PromptEncoder(pipe, max_sequence_length=max_sequence_length)
+    cond = enc.cond(PROMPTS)
+    ref, ref_neg = pipe.encode_prompt(
+        list(PROMPTS), negative_prompt="", max_sequence_length=enc.max_sequence_length, device=CPU
+    )
+    assert cond.embeds.shape[1] == (32 if max_sequence_length is None else 16)  # 17 tokens -> 32; cut at 10 -> 16
+    torch.testing.assert_close(cond.embeds, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cond.neg_embeds, ref_neg, rtol=0, atol=1e-6)
+    alone = enc(["a square"])[0]  # 9 tokens alone: padded to 16, another embedding than in the batch above
+    torch.testing.assert_close(
+        alone, pipe.encode_prompt(["a square"], do_classifier_free_guidance=False)[0], rtol=0, atol=1e-6
+    )
+    if max_sequence_length is None:
+        assert alone.shape[1] == 16 and (alone[0, -9:] - cond.embeds[2, -9:]).abs().max() > 1e-4
+
+
+@pytest.fixture(scope="session")
+def distilled_klein(family_dirs, tmp_path_factory):
+    """The tiny klein marked `is_distilled`, as the released FLUX.2-klein-4B/-9B are."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("klein") / "distilled"
+    shutil.copytree(family_dirs("flux2_klein"), path)
+    index = json.loads((path / "model_index.json").read_text())
+    (path / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    return str(path)
+
+
+FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
+    ("distilled_klein", "--guidance-scale 4", "is a distilled FLUX.2-klein, which samples without CFG"),
+    ("distilled_klein", "--eval-guidance-scale 2", "guidance scale 2.0:"),
+    ("flux2_dev", "--guidance-scale 4 --negative-prompt blurry", "FLUX.2-dev's guidance is an embedding"),
+    ("wan", "--num-frames 4", "--num-frames 4 must be 2 k + 1"),
+    ("cogview4", "--num-frames 5", "CogView4Pipeline makes images, not videos"),
+    ("lumina2", "--height 64 --width 60", "width 60 must be a multiple of 16"),
+    ("wan", "--max-sequence-length 100", "--max-sequence-length 100: this model's tokenizer takes at most 32 tokens"),
+]
+
+
+@pytest.mark.parametrize("model, flags, expected", FAMILY_BAD_INPUTS)
+def test_family_flags_are_refused_in_one_line_before_anything_is_written(
+    model, flags, expected, family_dirs, distilled_klein, tmp_path, capsys
+):
+    from test_bad_inputs import TINY, assert_one_line, call
+
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
+    path = distilled_klein if model == "distilled_klein" else family_dirs(model)
+    prompts = ["--train-prompts", str(tmp_path / "prompts.txt"), "--test-prompts", str(tmp_path / "prompts.txt")]
+    argv = [*TINY, "--model", path, "--reward", "jpeg_compressibility", *prompts, "--output-dir", str(tmp_path / "runs")]
+    rc, err = call("nft", argv + flags.split(), capsys)
+    assert_one_line(rc, err, expected)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="session")
+def wan22_dirs(family_dirs, tmp_path_factory):
+    """The tiny Wan marked as Wan2.2-A14B (a second expert below boundary_ratio 0.875) and as Wan2.2-TI2V (per-token
+    timesteps), as their released model_index.json say."""
+    import json
+    import shutil
+
+    dirs = {}
+    for name, extra in (
+        ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}),
+        ("ti2v", {"expand_timesteps": True}),
+    ):
+        path = tmp_path_factory.mktemp("wan22") / name
+        shutil.copytree(family_dirs("wan"), path)
+        if "transformer_2" in extra:
+            shutil.copytree(path / "transformer", path / "transformer_2")
+        index = json.loads((path / "model_index.json").read_text())
+        (path / "model_index.json").write_text(json.dumps({**index, **extra}))
+        dirs[name] = str(path)
+    return dirs
+
+
+@pytest.mark.parametrize("variant, expected", [("a14b", "Wan2.2-A14B's second expert"), ("ti2v", "per-token timesteps")])
+def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs, tmp_path, capsys):
+    from test_bad_inputs import TINY, assert_one_line, call
+
+    argv = [*TINY, "--model", wan22_dirs[variant], "--output-dir", str(tmp_path / "runs")]
+    assert_one_line(*call("nft", argv, capsys), expected)
+    assert not (tmp_path / "runs").exists()
+    from diffusers import WanPipeline  # the folders are what the stock pipeline loads as Wan2.2
+
+    pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
+    assert (pipe.transformer_2 is not None) == (variant == "a14b")

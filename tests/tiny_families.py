@@ -435,9 +435,7 @@ def cogview4(path):
     from tokenizers.processors import TemplateProcessing
     from transformers import GlmConfig, GlmModel
 
-    tok = qwen_tokenizer(
-        max_length=16, padding_side="left"
-    )  # as GLM-4's; 16 tokens, truncated: the pipeline's padding is ours
+    tok = qwen_tokenizer(max_length=1024, padding_side="left")  # as GLM-4's; the pipeline's max_sequence_length
     start = tok.convert_tokens_to_ids("<|im_start|>")  # a leading special token, as GLM-4's [gMASK]: "" is not empty
     tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", start)])
     torch.manual_seed(0)
