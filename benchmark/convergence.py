@@ -243,6 +243,56 @@ def cmd_extract(args, sets):
         print(row["setting"], row["seed"], list(zip(row["images"], row["shapes_exact"])), flush=True)
 
 
+def read_jsonl(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def cmd_table(args, sets):
+    """Markdown tables (base ceilings; every run's held-out exact curve) and the exact-vs-images plot, from the jsonl."""
+    base = read_jsonl(args.results / "base.jsonl")
+    print("| model | prompts | exact | strict | extra objects/img | gap | best-of-4 exact | best-of-8 exact |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in base:
+        print(
+            f"| base, CFG {r['guidance_scale']:g} | {r['set']} ({r['prompts']} x {r['noises']} noises) | {r['exact']:.3f} | "
+            f"{r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} | {r['best_of_4']:.3f} | {r['best_of_8']:.3f} |"
+        )
+    rows = []
+    for sweep in sorted(args.results.glob("*/curves.jsonl")):
+        rows += [dict(r, sweep=sweep.parent.name) for r in read_jsonl(sweep)]
+    print("\n| sweep | setting | seed | device | images | exact at each eval (240 images; first = the base) | last - base |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ex = r["shapes_exact"]
+        print(
+            f"| {r['sweep']} | {r['setting']} | {r['seed']} | {r['device']} | {r['images'][-1]} | "
+            f"{' '.join(f'{v:.3f}' for v in ex)} | {ex[-1] - ex[0]:+.3f} |"
+        )
+    if rows:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+        for ax, cfg in zip(axes, ("CFG 1", "CFG 4.5")):
+            for r in rows:
+                if ("cfg4.5" in r["setting"]) == (cfg == "CFG 4.5") and len(r["images"]) > 1:
+                    ax.plot(r["images"], r["shapes_exact"], marker=".", alpha=0.7, label=f"{r['setting']} s{r['seed']}")
+            test = {x["guidance_scale"]: x for x in base if x["set"] == "test"}
+            for g, style in ((1.0, ":"), (4.5, "--")):
+                if g in test:
+                    ax.axhline(test[g]["exact"], color="k", ls=style, lw=1, label=f"base CFG {g:g} (other noises)")
+            if 1.0 in test:
+                ax.axhline(test[1.0]["best_of_4"], color="r", ls="-.", lw=1, label="base CFG 1 best-of-4")
+            ax.set_title(f"held-out exact, runs sampled at {cfg}")
+            ax.set_xlabel("images trained")
+            ax.legend(fontsize=6, ncol=2)
+        axes[0].set_ylabel("exact (30 prompts x 8 noises)")
+        fig.tight_layout()
+        fig.savefig(args.results / "exact_vs_images.png", dpi=110)
+
+
 def find_run(out: Path, setting: str, seed: int):
     found = sorted(out.glob(f"*__{setting}__{seed}__*"))
     return found[-1] if found else None
@@ -295,7 +345,7 @@ def cmd_train(args, sets):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["train", "base", "final", "extract"])
+    ap.add_argument("command", choices=["train", "base", "final", "extract", "table"])
     ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
@@ -308,7 +358,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     sets = prompt_sets()
-    {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract}[args.command](args, sets)
+    {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}[args.command](
+        args, sets
+    )
 
 
 if __name__ == "__main__":
