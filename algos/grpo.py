@@ -174,8 +174,9 @@ class Args:
     """"x": KL between the two Gaussian steps (kl_form); "v": ||v - v_ref||^2"""
     kl_form: Literal["exact", "official"] = "exact"
     """kl_type "x": "exact", ||mu - mu_ref||^2 / (2 std^2) with std = sigma_t sqrt(|dt|), the true KL; "official",
-    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt|, on which the paper's beta was tuned (same beta:
-    exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps)"""
+    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt| for the SDEs, on which the paper's beta was tuned (same
+    beta: exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps); under CPS flow_grpo divides by the step's own std, so
+    official = exact there"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -270,12 +271,14 @@ def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
     return ((mean - mean_ref) ** 2 / (2 * std**2)).flatten(1).mean(1)
 
 
-def step_kl(mean, mean_ref, std, dt: float, form: str = "exact") -> torch.Tensor:
-    """The per-sample KL penalty of one SDE step, std = sigma_t sqrt(|dt|). "exact": `gaussian_kl`. "official":
-    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) (scripts/train_sd3.py), i.e. exact x |dt| -- its beta (0.04, 0.01) is
-    tuned on this form, so at the same beta the exact KL is 1/|dt| times stronger."""
+def step_kl(mean, mean_ref, std, dt: float, form: str = "exact", dynamics: str = "Flow-SDE") -> torch.Tensor:
+    """The per-sample KL penalty of one stochastic step whose std is `std`. "exact": `gaussian_kl`. "official":
+    flow_grpo's ||mu - mu_ref||^2 / (2 std_dev_t^2) (scripts/train_sd3.py), where std_dev_t is what its
+    sde_step_with_logprob returns: for an SDE the diffusion coefficient sigma_t = std / sqrt(|dt|), so official =
+    exact x |dt| (its beta 0.04, 0.01 is tuned on this; at the same beta the exact KL is 1/|dt| times stronger); for
+    CPS the step's own std sigma_next sin(eta pi / 2), so official = exact (no |dt| there)."""
     kl = gaussian_kl(mean, mean_ref, std)
-    return kl * abs(dt) if form == "official" else kl
+    return kl * abs(dt) if form == "official" and dynamics != "CPS" else kl
 
 
 def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
@@ -530,7 +533,9 @@ def main(args: Args):
                                     x_next=x_next,
                                     sigma_cap=float(sigmas[1]),
                                 )
-                                kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
+                                kl = step_kl(
+                                    mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form, args.dynamics
+                                )
                             else:
                                 kl = (v - v_ref).pow(2).flatten(1).mean(1)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
