@@ -419,10 +419,12 @@ def latent_side(resolution: Optional[int], native: int, factor: int, patch: int)
     return resolution // factor
 
 
-def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]) -> list:
-    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights)."""
+def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequence[str]]) -> list:
+    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights).
+    `target_modules` None: the family's `lora_targets`."""
     from peft import LoraConfig
 
+    target_modules = family_of(transformer).lora_targets if target_modules is None else target_modules
     try:
         transformer.add_adapter(
             LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
@@ -1303,7 +1305,7 @@ def check_args(args, fresh: bool = True):
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
     if reason:
         raise UserError(f"--compile: {reason}; run without --compile (eager)")
-    if "lora_targets" in fields and not args.lora_targets:
+    if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)
     model = Path(args.model).expanduser()
@@ -1695,7 +1697,7 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
-    targets = ", ".join(config.get("lora_targets", ()))
+    targets = ", ".join(config.get("lora_targets") or pipe.family.lora_targets)
     snippet = lora_snippet(pipe_class, model, "<this folder>", call, gpu=hub, no_t5=no_t5)
     lines = front + [
         "---",

@@ -101,17 +101,9 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
-    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
+    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
 
     # Optimizer & batch
     learning_rate: float = 5e-4

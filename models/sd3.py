@@ -67,5 +67,9 @@ FAMILY = common.Family(
     decode=common.vae_decode,
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    # `attn.` keeps SD3.5-M's second self-attention `attn2` (dual-attention blocks 0-12: 52 more modules, +27% LoRA
+    # parameters) out, as flow_grpo scripts/train_sd3.py:419-428, DiffusionNFT, AWM, DGPO and Flow-Factory do
+    lora_targets=tuple(
+        "attn." + t for t in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    ),
 )
