@@ -259,7 +259,7 @@ class Family:
     `mu(scheduler config, tokens, num_steps)` -> the dynamic shift's mu; `decode(pipe, latents)` -> images in [-1, 1],
     [B, 3, H, W] (video: [B, F, 3, H, W]); `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
-    the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
+    the scripts adapt when `--lora-targets` is not given (peft names: a module name or its dotted suffix; tested);
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
     `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction)."""
 
@@ -322,11 +322,10 @@ class Model:
     def tokens(self) -> int:
         return self.family.tokens(self.latent_shape)
 
-    def sigmas(self, num_steps: int, device=None) -> torch.Tensor:
+    def sigmas(self, num_steps: int, device=None, schedule: str = "pipeline") -> torch.Tensor:
         """The sampler's sigma schedule at this model's resolution (see `sigma_schedule`)."""
-        return sigma_schedule(
-            self.scheduler, num_steps, device, mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
-        )
+        mu = mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
+        return sigma_schedule(self.scheduler, num_steps, device, mu, schedule)
 
 
 def pipeline_class(model: str) -> str:
@@ -765,12 +764,18 @@ def mu_for(family: Family, scheduler, latent_shape, num_steps: int) -> Optional[
 # ----------------------------------------------------------------------------------------------------------------
 # the sampler
 # ----------------------------------------------------------------------------------------------------------------
-def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] = None) -> torch.Tensor:
-    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (Flow-Factory's schedule).
+SIGMA_SCHEDULES = ("pipeline", "scheduler")
 
-    flow_grpo samples with diffusers' default instead (`set_timesteps(N)`: linspace from sigma 1 to the shifted
-    1/1000, then the shift again): at 10 steps with shift 3 that is 1, 0.960, ..., 0.278, 0.009, 0 against
-    1, 0.964, ..., 0.429, 0.250, 0 here, so its last step starts almost at the data.
+
+def sigma_schedule(
+    scheduler, num_steps: int, device=None, mu: Optional[float] = None, schedule: str = "pipeline"
+) -> torch.Tensor:
+    """N+1 sigmas ending in 0. `schedule` "pipeline": linspace(1, 1/N, N) through the scheduler's shift (what the
+    FLUX.1/FLUX.2/Qwen-Image/Lumina 2 pipelines pass, and Flow-Factory). "scheduler": the scheduler's own
+    `set_timesteps(N)` (what StableDiffusion3Pipeline does with no sigmas, and flow_grpo, DiffusionNFT and AWM, which
+    pass `sigmas=None`): linspace from sigma 1 to the shifted 1/1000, then the shift again. At 10 steps with shift 3
+    that is 1, 0.960, ..., 0.278, 0.009, 0 against 1, 0.964, ..., 0.429, 0.250, 0, so its last step starts almost at
+    the data.
 
     SD3 has a fixed shift. Schedulers with `use_dynamic_shifting` (FLUX.1, FLUX.2, Qwen-Image) shift by exp(mu), and the
     family computes mu from the image's token count (`mu_for`; `Model.sigmas` passes it for the run's resolution)."""
@@ -781,8 +786,13 @@ def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] =
         if mu is None:
             raise ValueError("a dynamically shifted schedule needs mu (common.mu_for); Model.sigmas passes it")
         kwargs["mu"] = mu
+    if schedule not in SIGMA_SCHEDULES:
+        raise UserError(f"unknown sigma schedule {schedule!r}; choose one of {', '.join(SIGMA_SCHEDULES)}")
     sched = copy.deepcopy(scheduler)  # set_timesteps mutates the scheduler; keep the pipeline's untouched
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
+    if schedule == "scheduler":
+        sched.set_timesteps(num_steps, device=device, **kwargs)
+    else:
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
     return sched.sigmas.float()
 
 
@@ -879,6 +889,7 @@ def sample(
     keep_means: bool = False,
     chunk: Optional[int] = None,
     on_chunk: Optional[Callable] = None,
+    schedule: str = "pipeline",
 ) -> Rollout:
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
@@ -890,6 +901,7 @@ def sample(
     `chunk`: sample this many at a time (None: the whole batch at once), calling `on_chunk(latents, slice)` after each
     (a `Scorer` decodes and scores them while the next chunk is sampled). With one generator per sample the result is
     that of one batch (see `Scorer`): each sample's noise is its own.
+    `schedule`: the sigma schedule, see `sigma_schedule`.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
@@ -909,6 +921,7 @@ def sample(
             use_autocast=use_autocast,
             log_prob_form=log_prob_form,
             keep_means=keep_means,
+            schedule=schedule,
         )
         parts = []
         for start in range(0, batch, step):
@@ -942,7 +955,8 @@ def sample(
         noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
     # a dynamic shift depends on the image's token count: take it from the latents actually sampled
-    sigmas = sigma_schedule(scheduler, num_steps, device, mu_for(family_of(transformer), scheduler, x.shape[1:], num_steps))
+    mu = mu_for(family_of(transformer), scheduler, x.shape[1:], num_steps)
+    sigmas = sigma_schedule(scheduler, num_steps, device, mu, schedule)
     if dynamics == "ODE":
         sde_steps = []
     elif sde_steps is None:
@@ -1085,9 +1099,11 @@ def evaluate(
     use_autocast=False,
     repeats: int = 2,
     progress: bool = True,
+    schedule: str = "pipeline",
 ):
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
-    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates).
+    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates). `schedule`:
+    the sigma schedule (`sigma_schedule`).
 
     Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
     the same noise in every run and every algorithm, so eval curves are comparable.
@@ -1110,6 +1126,7 @@ def evaluate(
                 generator=gen,
                 latent_shape=getattr(pipe, "latent_shape", None),
                 use_autocast=use_autocast,
+                schedule=schedule,
             )
             imgs = decode(pipe, out.latents)
             for name, value in reward_fn(imgs, chunk).items():
@@ -2127,6 +2144,7 @@ def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, l
             guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
             seed=0,
             use_autocast=args.mixed_precision,
+            schedule=getattr(args, "sigma_schedule", "pipeline"),
         )
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)

@@ -90,6 +90,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation) (paper: 14)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout and of the policy's training forward (AWM trains CFG-free)"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
@@ -350,7 +354,7 @@ def main(args: Args):
     # ALGO LOGIC: the EMA (KL trust region, optional off-policy sampler) and the trainable timestep indices
     ema = [p.detach().clone() for p in params]
     snapshots = {"ema": ema}  # saved with every checkpoint
-    sigmas = pipe.sigmas(args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     min_index = 1 if args.skip_pure_noise else 0
     if eligible - min_index < 1:
@@ -425,6 +429,7 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
+                    schedule=args.sigma_schedule,
                     chunk=scorer.chunk,
                     on_chunk=scorer,
                 )

@@ -90,6 +90,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout; the training forward uses the same (paper: 4.5; tiny-shapes learns better, at half the
     cost, without CFG: 4.5 moved the held-out score 0.578 -> 0.43-0.68 and back within 60 epochs)"""
@@ -442,6 +446,7 @@ def main(args: Args):
                 keep_trajectory=True,
                 latent_shape=pipe.latent_shape,
                 use_autocast=args.mixed_precision,
+                schedule=args.sigma_schedule,
                 log_prob_form=args.log_prob_form,
                 keep_means=args.grpo_guard,
                 chunk=scorer.chunk,

@@ -18,14 +18,15 @@ case "${TASK:-pickscore}" in
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 # geometry: M=24 prompts x K=24 images = 576 per epoch = 72 per GPU; 1 optimizer step per epoch (so the ratio is 1)
-# timestep window: the official "first 90% of the 14 step indices" (indices 0..11, sigma >= 0.45) is --timestep-range 0.6
+# sigma schedule: the scheduler's own set_timesteps(N) (official sigmas=None); timestep window: the official "first 90%
+# of the 14 step indices" (indices 0..11, sigma >= 0.357 on that schedule) is --timestep-range 0.65
 torchrun --nproc-per-node 8 algos/awm.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
-  --num-steps 14 --guidance-scale 1.0 --dynamics ODE \
+  --num-steps 14 --sigma-schedule scheduler --guidance-scale 1.0 --dynamics ODE \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 24 --group-size 24 --micro-batch 6 --grad-steps-per-epoch 1 \
-  --num-train-timesteps 6 --timestep-range 0.6 --adv-clip 5 --advantage-max 1 --advantage-std global \
+  --num-train-timesteps 6 --timestep-range 0.65 --adv-clip 5 --advantage-max 1 --advantage-std global \
   --weighting ghuber --ghuber-power 0.25 --clip-low 1 --clip-high 1 \
   --kl-beta 1e-4 --ema-kl-beta 1 --ema-decay-max 0.3 --ema-decay-ramp 0.001 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0.99 \

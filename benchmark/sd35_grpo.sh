@@ -5,6 +5,7 @@
 # Flow-GRPO-Fast config (kl 0, a contiguous window of 2 SDE steps with a random start in steps 0..4, clip 1e-5).
 # GenEval 0.63 -> 0.95 and OCR 0.59 -> 0.92 use the full Flow-GRPO config with beta 0.04 (TASK=ocr below).
 # Evaluation follows the paper: an EMA (decay 0.9) of the LoRA weights, 40 steps, CFG 4.5.
+# Sigma schedule: the scheduler's own set_timesteps(N) (flow_grpo passes sigmas=None), 1 ... 0.278, 0.009, 0 at 10 steps.
 # DATA: a folder with train.txt / test.txt (flow_grpo's dataset/pickscore).
 # Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag: reason" each:
 # DIFF --micro-batch: official 9 images per forward; 8 here so that 1152 images split into whole micro-batches on 8 GPUs
@@ -25,7 +26,7 @@ esac
 torchrun --nproc-per-node 8 algos/grpo.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
-  --num-steps 10 --guidance-scale 4.5 --dynamics Flow-SDE --eta 0.8 \
+  --num-steps 10 --sigma-schedule scheduler --guidance-scale 4.5 --dynamics Flow-SDE --eta 0.8 \
   --sde-window 0 5 --window-mode contiguous --num-sde-steps 2 --zero-adv-filter \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 48 --group-size 24 --micro-batch 8 --grad-steps-per-epoch 2 --num-inner-epochs 1 \

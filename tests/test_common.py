@@ -42,6 +42,53 @@ def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_scheduler_schedule_is_the_stock_sd3_pipelines(pipe):
+    """`schedule="scheduler"` samples what StableDiffusion3Pipeline does when given no sigmas (flow_grpo & co)."""
+    steps = 6
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    out = common.sample(
+        pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise, schedule="scheduler"
+    )
+    ref = pipe(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        height=64,
+        width=64,
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
+    torch.testing.assert_close(out.sigmas, pipe.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule it set
+    assert out.sigmas[-2] < 0.01  # ends near the data, unlike the shifted linspace's 1/N
+    torch.testing.assert_close(common.decode(pipe, out.latents), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sigma_schedules_match_diffusers_and_flow_grpos_numbers():
+    """ "scheduler" = diffusers' own `set_timesteps(N)` (what flow_grpo, DiffusionNFT and AWM sample with), also written
+    out in numpy: t from 1 to the shifted 1/1000, shifted again; "pipeline" = the shifted linspace(1, 1/N). SD3.5's shift
+    3 at 10 steps: the last steps are 0.278 -> 0.009 (scheduler) and 0.429 -> 0.25 (pipeline); 40 steps end at 0.009."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    def shift(s):
+        return 3 * s / (1 + 2 * s)
+
+    for steps in (10, 14, 40):
+        ref = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        ours = common.sigma_schedule(ref, steps, schedule="scheduler")
+        ref.set_timesteps(steps)
+        torch.testing.assert_close(ours, ref.sigmas.float(), atol=0, rtol=0)
+        t = np.linspace(1.0, shift(1 / 1000), steps)
+        np.testing.assert_allclose(ours.numpy(), np.append(shift(t), 0.0), atol=1e-6)
+        pipeline = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), steps)
+        np.testing.assert_allclose(pipeline.numpy(), np.append(shift(np.linspace(1.0, 1 / steps, steps)), 0.0), atol=1e-6)
+    s10 = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), 10, schedule="scheduler")
+    np.testing.assert_allclose(s10[-3:-1].numpy(), [0.278, 0.009], atol=1e-3)
+    p10 = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
+    np.testing.assert_allclose(p10[-3:-1].numpy(), [0.429, 0.25], atol=1e-3)
+
+
 def test_sigma_schedule_is_shifted_linspace(pipe):
     s = common.sigma_schedule(pipe.scheduler, 10)
     base = np.linspace(1.0, 0.1, 10)

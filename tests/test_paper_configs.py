@@ -9,7 +9,6 @@ DGPO 01ceb4b; Flow-Factory a0b2bc5 for CRD, whose authors restated the paper's T
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 from test_benchmark_scripts import REPO, parse_script
 
@@ -19,6 +18,10 @@ NFT = "NVlabs/DiffusionNFT@24af555 "
 AWM = "scxue/advantage_weighted_matching@be51372 advantage_weighted_matching/config/dgx_awm.py "
 DGPO = "Luo-Yihong/DGPO@01ceb4b "
 FF = "X-GenGroup/Flow-Factory@a0b2bc5 examples/crd/lora/sd3_5/default.yaml "
+AWM_PIPE = (
+    "scxue/advantage_weighted_matching@be51372 "
+    "advantage_weighted_matching/flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:243-247 (sigmas None)"
+)
 
 # {script: {task: {Args field: (official value in cleanflow's units, where it comes from)}}}
 OFFICIAL = {
@@ -55,6 +58,10 @@ OFFICIAL = {
             "num_inner_epochs": (1, FG + "config/base.py:79"),
             "lora_rank": (32, FG + "scripts/train_sd3.py:430"),
             "lora_alpha": (64.0, FG + "scripts/train_sd3.py:431"),
+            "sigma_schedule": (
+                "scheduler",
+                FG + "flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:121-127 (sigmas None)",
+            ),
         },
         "ocr": {
             "num_steps": (10, FG + "config/grpo.py:36"),
@@ -78,6 +85,10 @@ OFFICIAL = {
             "zero_adv_filter": (True, FG + "scripts/train_sd3.py:797-817"),
             "learning_rate": (3e-4, FG + "config/base.py:63"),
             "lora_rank": (32, FG + "scripts/train_sd3.py:430"),
+            "sigma_schedule": (
+                "scheduler",
+                FG + "flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:121-127 (sigmas None)",
+            ),
         },
     },
     "nft": {
@@ -102,6 +113,7 @@ OFFICIAL = {
             "timestep_range": (0.99, NFT + "config/base.py:87"),
             "num_train_timesteps": (9, NFT + "config/base.py:87 (int(10 x 0.99))"),
             "lora_rank": (32, "docs/nft.md (official LoRA r 32, alpha 64)"),
+            "sigma_schedule": ("scheduler", NFT + "flow_grpo/diffusers_patch/pipeline_with_logprob.py:179-183 (sigmas=None)"),
         },
         "ocr": {
             "nft_beta": (0.1, NFT + "config/nft.py:77"),
@@ -115,6 +127,7 @@ OFFICIAL = {
             "group_size": (24, NFT + "config/nft.py:28"),
             "num_prompts": (48, NFT + "config/nft.py:29"),
             "dynamics": ("dpm2", NFT + "config/nft.py:65-66"),
+            "sigma_schedule": ("scheduler", NFT + "flow_grpo/diffusers_patch/pipeline_with_logprob.py:179-183 (sigmas=None)"),
         },
     },
     "awm": {
@@ -127,7 +140,8 @@ OFFICIAL = {
             "group_size": (24, AWM + ":323"),
             "kl_beta": (1e-4, AWM + ":333"),
             "num_train_timesteps": (6, AWM + ":334"),
-            "timestep_range": (0.6, AWM + ":338 (the first 90% of the 14 indices = sigma >= 0.45)"),
+            "timestep_range": (0.65, AWM + ":338 (the first 90% of the 14 indices = sigma >= 0.357 on its schedule)"),
+            "sigma_schedule": ("scheduler", AWM_PIPE),
             "learning_rate": (3e-4, AWM + ":340"),
             "weighting": ("ghuber", AWM + ":341"),
             "ghuber_power": (0.25, AWM + ":342"),
@@ -149,7 +163,8 @@ OFFICIAL = {
             "eta": (0.4, AWM + ":187 (SA-Solver noise)"),
             "kl_beta": (3e-3, AWM + ":194"),
             "num_train_timesteps": (6, AWM + ":195"),
-            "timestep_range": (0.6, AWM + ":199"),
+            "timestep_range": (0.65, AWM + ":199"),
+            "sigma_schedule": ("scheduler", AWM_PIPE),
             "skip_pure_noise": (True, AWM + ":228 (time_type discrete_wo_init)"),
             "eval_ema_decay": (0.99, AWM + ":231"),
             "dynamics": ("SA-Solver", AWM + "ocr_sd3_no_cfg_1node (use_sa_solver)"),
@@ -158,7 +173,11 @@ OFFICIAL = {
     "dgpo": {
         "pickscore": {
             "num_train_timesteps": (4, DGPO + "config/dgpo.py:28"),
-            "timestep_range": (0.35, DGPO + "config/dgpo.py:29 (trunc_steps 6: indices 0..6, sigma >= 0.667)"),
+            "timestep_range": (0.4, DGPO + "config/dgpo.py:29 (trunc_steps 6: indices 0..6, sigma >= 0.602)"),
+            "sigma_schedule": (
+                "scheduler",
+                DGPO + "flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:123-127 (sigmas None)",
+            ),
             "switch_ema_ref": (200, DGPO + "config/dgpo.py:31"),
             "clip_range": (5e-2, DGPO + "config/dgpo.py:33"),
             "clip_dsm": (True, DGPO + "config/dgpo.py:39"),
@@ -180,7 +199,11 @@ OFFICIAL = {
         },
         "ocr": {
             "num_train_timesteps": (4, DGPO + "config/dgpo.py:28"),
-            "timestep_range": (0.35, DGPO + "config/dgpo.py:29 (trunc_steps 6, not overridden for OCR)"),
+            "timestep_range": (0.4, DGPO + "config/dgpo.py:29 (trunc_steps 6, not overridden for OCR)"),
+            "sigma_schedule": (
+                "scheduler",
+                DGPO + "flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:123-127 (sigmas None)",
+            ),
             "dpo_beta": (100.0, DGPO + "config/dgpo.py:32 (not overridden for OCR)"),
             "dynamics": ("DPM-Solver", DGPO + "config/dgpo.py:24"),
             "eval_num_steps": (14, DGPO + "config/dgpo.py:104"),
@@ -222,6 +245,10 @@ OFFICIAL = {
             "eval_guidance_scale": (1.0, FF + ":109"),
             "eval_num_steps": (40, FF + ":110"),
             "eval_ema_decay": (0.0, FF + "(no EMA in the eval settings :105-112)"),
+            "sigma_schedule": (
+                "pipeline",
+                "X-GenGroup/Flow-Factory@a0b2bc5 src/flow_factory/scheduler/flow_match_euler_discrete.py:57",
+            ),
         }
         for task in ("pickscore", "ocr")
     },
@@ -278,8 +305,13 @@ def test_a_silent_difference_is_caught(tmp_path):
 @pytest.mark.parametrize("algo, steps, official_indices", [("dgpo", 10, 7), ("awm", 14, 12)])
 def test_timestep_ranges_cover_the_official_step_indices(algo, steps, official_indices):
     """DGPO trunc_steps 6 trains indices 0..6 (7); AWM timestep_fraction 0.9 of 14 steps trains indices 0..11 (12).
-    The scripts' --timestep-range keeps the indices whose sigma >= 1 - range on SD3.5's schedule (shift 3)."""
-    base = np.linspace(1.0, 1.0 / steps, steps)
-    sigmas = 3 * base / (1 + 2 * base)
+    The scripts' --timestep-range keeps the indices whose sigma >= 1 - range on SD3.5's schedule (shift 3) as the
+    official code samples it (diffusers' set_timesteps(N)), computed here from diffusers' scheduler itself."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    assert OFFICIAL[algo]["pickscore"]["sigma_schedule"][0] == "scheduler"
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(steps)
+    sigmas = sched.sigmas[:-1].numpy()
     value = OFFICIAL[algo]["pickscore"]["timestep_range"][0]
     assert int((sigmas >= 1 - value - 1e-6).sum()) == official_indices
