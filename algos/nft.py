@@ -48,6 +48,11 @@ class Args:
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    eval_ema_interval: int = 1
+    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    eval_ema_repeats: int = 1
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (8 in
+    flow_grpo's 8-GPU configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -343,7 +348,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load

@@ -3,13 +3,13 @@
 # examples/dgpo/lora/sd3_5/default.yaml), 4 GPUs. Paper (SD3.5-M): GenEval 0.63 -> 0.97, OCR 0.59 -> 0.96 (dpo_beta 100
 # for those tasks; 10 for PickScore as here). Not verified here: no GPU. Official config: Luo-Yihong/DGPO @ 01ceb4b
 # config/dgpo.py (`pickscore_sd3_4gpu`, `general_ocr_sd3_4gpu`). Evaluation follows it: an EMA (decay 0.9) of the LoRA
-# weights, 14 steps ("for quick monitoring"), CFG 4.5.
+# weights, 14 steps ("for quick monitoring"), CFG 4.5; the EMA is updated at every 8th optimizer step, once per official
+# micro-batch of that step (4 on 4 GPUs for PickScore, 2 for OCR: DGPO calls ema.step after every micro-batch).
 # Sigma schedule: the scheduler's own set_timesteps(N) (official sigmas=None). Training timesteps: official trunc_steps 6
 # = step indices 0..6 (sigma >= 0.602 at 10 steps on that schedule), i.e. --timestep-range 0.4.
 # Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag: reason" each:
 # DIFF --dynamics: the official rollout is a 10-step DPM-Solver (use_dpm); cleanflow's ODE is Euler
 # DIFF --num-prompts: official 8 prompts per epoch, its comment says "set to be 24 for better performance": 24 here
-# DIFF --eval-ema-decay: the official EMA (0.9) is updated every 8th optimizer step; cleanflow updates after every step
 # DIFF[ocr] --group-size: official 16 images per prompt, its comment says "set to be 24 for better performance": 24 here
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
@@ -17,7 +17,7 @@ DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
 case "${TASK:-pickscore}" in
   pickscore) TASK_FLAGS=() ;;
-  ocr) TASK_FLAGS=(--reward ocr --dpo-beta 100 --kl-beta 0.02 --clip-range 1e-2) ;;
+  ocr) TASK_FLAGS=(--reward ocr --dpo-beta 100 --kl-beta 0.02 --clip-range 1e-2 --eval-ema-repeats 2) ;;
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 # geometry: M=24 prompts x K=24 = 576 images per epoch; 4 GPUs x micro-batch 24 = whole groups per micro-batch
@@ -30,5 +30,5 @@ torchrun --nproc-per-node 4 algos/dgpo.py \
   --num-train-timesteps 4 --timestep-range 0.4 --adv-clip 5 --advantage-std global \
   --dpo-beta 10 --clip-dsm --clip-range 5e-2 --switch-ema-ref 200 --ema-ref-decay-max 0.3 --ema-ref-decay-ramp 1e-3 \
   --kl-beta 1e-3 --kl-cfg 1.0 \
-  --eval-num-steps 14 --eval-guidance-scale 4.5 --eval-ema-decay 0.9 \
+  --eval-num-steps 14 --eval-guidance-scale 4.5 --eval-ema-decay 0.9 --eval-ema-interval 8 --eval-ema-repeats 4 \
   --num-epochs 1000 --eval-every 60 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

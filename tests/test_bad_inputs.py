@@ -52,6 +52,8 @@ SHARED = {
     "--eval-num-steps 0": "--eval-num-steps 0: must be > 0",
     "--eval-guidance-scale 0.5": "--eval-guidance-scale 0.5: must be >= 1",
     "--eval-ema-decay 1": "--eval-ema-decay 1.0: must be in [0, 1)",
+    "--eval-ema-interval 0": "--eval-ema-interval 0: must be >= 1",
+    "--eval-ema-repeats 0": "--eval-ema-repeats 0: must be >= 1",
     "--push-to-hub not/a/repo": "is not a hub repo id",
     "--reward shapes_clean:2,shapes:nan": "bad weight 'nan' for reward 'shapes'",
 }

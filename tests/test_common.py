@@ -330,6 +330,30 @@ def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
         common.EvalEMA(params, 1.0)
 
 
+def test_eval_ema_interval_and_repeats_follow_flow_grpos_call_pattern():
+    """flow_grpo/ema.py with update_step_interval 8, called as its train_sd3.py does: after every micro-batch with the
+    current global_step (A micro-batches per optimizer step, the step counter bumped at the last one), written out
+    here as that loop; cleanflow updates once per optimizer step with interval 8 and repeats A."""
+    A, interval, decay = 3, 8, 0.9
+    params = [torch.zeros(4)]
+    ours = common.EvalEMA(params, decay, interval, A)
+    ref, global_step = params[0].clone(), 0
+    for step in range(1, 38):  # ends before step 39, whose updates (39 + 1 = 40 = 5 x 8) flow_grpo spreads into step 40
+        for mb in range(A):
+            if mb == A - 1:  # the optimizer step happens at the last micro-batch
+                with torch.no_grad():
+                    params[0].add_(torch.arange(4.0) + step)
+                global_step += 1
+                ours.update(global_step)
+            if (global_step + 1) % interval == 0:  # flow_grpo's ema.step(parameters, global_step)
+                d = min((1 + global_step) / (10 + global_step), decay)
+                ref = ref + (1 - d) * (params[0] - ref)
+    torch.testing.assert_close(ours.shadow[0], ref)
+    assert not torch.equal(ref, params[0])
+    with pytest.raises(common.UserError):
+        common.EvalEMA(params, 0.9, 0)
+
+
 def test_missing_model_path_is_one_clear_line(tmp_path):
     with pytest.raises(common.UserError) as e:
         common.load_pipeline(str(tmp_path / "nope"), torch.device("cpu"))
