@@ -8,8 +8,11 @@
 # 8th optimizer step, 8 times (flow_grpo calls ema.step after each of the 8 micro-batches of a step on 8 GPUs).
 # Sigma schedule: the scheduler's own set_timesteps(N) (flow_grpo passes sigmas=None), 1 ... 0.278, 0.009, 0 at 10 steps.
 # DATA: a folder with train.txt / test.txt (flow_grpo's dataset/pickscore).
-# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag: reason" each:
-# DIFF --micro-batch: official 9 images per forward; 8 here so that 1152 images split into whole micro-batches on 8 GPUs
+# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag VALUE: reason" each:
+# DIFF --micro-batch 8: official 9 images per forward; 8 here so that 1152 images split into whole micro-batches on 8 GPUs
+# DIFF --base-dtype bfloat16: the official code keeps the frozen transformer in fp32 (9 GB); bf16 halves it, and under
+# autocast its matmuls run in half precision either way
+# DIFF --mixed-precision True: the official autocast is fp16; cleanflow's is bf16 (no fp16 path: bf16 needs no loss scaling)
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # TASK=ocr: the full Flow-GRPO OCR config (flow_grpo config/grpo.py `general_ocr_sd3`): beta 0.04 on flow_grpo's KL form,

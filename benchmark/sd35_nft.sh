@@ -4,8 +4,11 @@
 # Table 2 (not verified here; see docs/nft.md). Official config: NVlabs/DiffusionNFT config/nft.py (`sd3_pickscore`,
 # `sd3_ocr`). Evaluation follows the paper: an EMA (decay 0.9) of the LoRA weights, 40 steps, no CFG.
 # Sigma schedule: the scheduler's own set_timesteps(N) (official sigmas=None): training sigmas 0.009-1, not 0.25-1.
-# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag: reason" each:
-# DIFF --dynamics: the official rollout is a deterministic 2nd-order DPM solver (solver "dpm2"); cleanflow's ODE is Euler
+# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag VALUE: reason" each:
+# DIFF --base-dtype bfloat16: the official code keeps the frozen transformer in fp32 (9 GB); bf16 halves it, and under
+# autocast its matmuls run in half precision either way
+# DIFF --mixed-precision True: the official autocast is fp16; cleanflow's is bf16 (no fp16 path: bf16 needs no loss scaling)
+# DIFF --dynamics ODE: the official rollout is a deterministic 2nd-order DPM solver (solver "dpm2"); cleanflow's ODE is Euler
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # TASK=ocr: OCR (paper Table 2: 0.97 after 150 iterations): beta 0.1, decay_type 2, 2 gradient steps per epoch; needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
