@@ -546,8 +546,8 @@ class EvalEMA:
     (10 + step)), flow_grpo's warm-up (flow_grpo/ema.py), so early evaluations are not dominated by the initial weights.
     Only at the steps with (step + 1) % interval == 0 (flow_grpo/ema.py `update_step_interval`), and there `repeats`
     times: flow_grpo's and DGPO's training loops call `ema.step(global_step)` after every micro-batch, so an update
-    step gets one update per micro-batch of its optimizer step (8 for flow_grpo's 8-GPU Fast geometry: then decay 0.9 at
-    interval 8 averages 0.9 per step; 4 for DGPO's 4-GPU PickScore one: 0.95 per step).
+    step gets one update per micro-batch of its optimizer step (2 in flow_grpo's 32-GPU SD3.5 configs: decay 0.9 at
+    interval 8 then averages 0.974 per step; 4 in DGPO's 4-GPU PickScore one: 0.949 per step).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], decay: float, interval: int = 1, repeats: int = 1):

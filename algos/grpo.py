@@ -52,8 +52,8 @@ class Args:
     eval_ema_interval: int = 1
     """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
     eval_ema_repeats: int = 1
-    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (8 in
-    flow_grpo's 8-GPU configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
+    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3

@@ -52,7 +52,7 @@ GRPO = {
     "eval_guidance_scale": (4.5, FG + "scripts/train_sd3.py:254 (eval uses sample.guidance_scale)"),
     "eval_ema_decay": (0.9, FG + "scripts/train_sd3.py:445 (decay 0.9, update_step_interval 8)"),
     "eval_ema_interval": (8, FG + "scripts/train_sd3.py:445 (update_step_interval 8)"),
-    "eval_ema_repeats": (8, FG + "scripts/train_sd3.py:955 (ema.step per micro-batch: 8 per step on 8 GPUs)"),
+    "eval_ema_repeats": (2, FG + "scripts/train_sd3.py:955 (ema.step per micro-batch: 2 per step on the configs' 32 GPUs)"),
     "resolution": (512, FG + "config/grpo.py:40"),
     "micro_batch": (9, FG + "config/grpo.py:41"),
     "group_size": (24, FG + "config/grpo.py:42"),
@@ -225,6 +225,10 @@ OFFICIAL = {
             "clip_high": (1e-5, FAST + "train.clip_range"),
             "kl_beta": (0.0, FAST + "train.beta"),
             "advantage_std": ("global", FAST + "sample.global_std"),
+            "shared_group_noise": (
+                True,
+                "yifan123/flow_grpo@74db691 Fast pipeline: latents.repeat(mini_num_image_per_prompt)",
+            ),
         },
         "ocr": {
             **GRPO,
@@ -235,6 +239,7 @@ OFFICIAL = {
             "eta": (0.7, FG + "config/base.py:54"),
             "clip_low": (1e-4, FG + "config/base.py:86"),
             "clip_high": (1e-4, FG + "config/base.py:86"),
+            "shared_group_noise": (False, "yifan123/flow_grpo@31c71b9 config/grpo.py::general_ocr_sd3 same_latent = False"),
         },
     },
     "nft": {
@@ -346,7 +351,8 @@ def same(ours, official) -> bool:
 def parsed(script: Path, task: str):
     """(algorithm, parsed Args, flags the script passes) of a paper script for a TASK."""
     _, name, args, flags = parse_script(script, task, with_flags=True)
-    return name, args, tuple(f[2:].replace("-", "_") for f in flags if f.startswith("--"))
+    fields = (f[2:].replace("-", "_") for f in flags if f.startswith("--"))
+    return name, args, tuple(f[3:] if f.startswith("no_") and not hasattr(args, f) else f for f in fields)
 
 
 def problems(algo: str, task: str, args, diffs: dict, flags=()) -> dict:
