@@ -1094,6 +1094,37 @@ class Scorer:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def dpm_solver_sample(
+    transformer, scheduler, cond: Cond, noise: torch.Tensor, *, num_steps: int, guidance_scale: float = 1.0, use_autocast=False
+) -> torch.Tensor:
+    """ODE sampling with diffusers' DPMSolverMultistepScheduler (2nd-order DPM-Solver++ on flow sigmas, the Sana
+    scheduler config that DGPO evaluates with, scripts/train_sd3_dgpo.py:557-559) at the pipeline scheduler's static
+    shift; the model sees the scheduler's timestep t as sigma = t / 1000, as a stock pipeline passes it. Returns the
+    final latents. Deterministic: no noise is drawn after `noise`."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    if scheduler.config.get("use_dynamic_shifting", False):
+        raise UserError("the DPM-Solver evaluation needs a scheduler with a static shift (SD3)")
+    dpm = DPMSolverMultistepScheduler(
+        num_train_timesteps=scheduler.config.get("num_train_timesteps", 1000),
+        flow_shift=scheduler.config.get("shift", 1.0),
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        final_sigmas_type="zero",
+        lower_order_final=True,
+    )
+    dpm.set_timesteps(num_steps, device=noise.device)
+    x = noise.float()
+    for t in dpm.timesteps:
+        with autocast(noise.device, use_autocast):
+            v = velocity(transformer, x, t.float() / dpm.config.num_train_timesteps, cond, guidance_scale)
+        x = dpm.step(v.float(), t, x).prev_sample
+    return x
+
+
 def evaluate(
     pipe,
     transformer,
@@ -1109,10 +1140,12 @@ def evaluate(
     repeats: int = 2,
     progress: bool = True,
     schedule: str = "pipeline",
+    solver: str = "euler",
 ):
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
     scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates). `schedule`:
-    the sigma schedule (`sigma_schedule`).
+    the sigma schedule (`sigma_schedule`). `solver`: "euler" (the training sampler) or "dpm" (`dpm_solver_sample`,
+    which ignores `schedule`: DPM-Solver brings its own flow sigmas).
 
     Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
     the same noise in every run and every algorithm, so eval curves are comparable.
@@ -1126,18 +1159,28 @@ def evaluate(
         for k in range(0, len(prompts), batch):
             chunk = prompts[k : k + batch]
             gen = torch.Generator().manual_seed(seed + k)
-            out = sample(
-                transformer,
-                pipe.scheduler,
-                encoder.cond(chunk, negative=guidance_scale > 1),
-                num_steps=num_steps,
-                guidance_scale=guidance_scale,
-                generator=gen,
-                latent_shape=getattr(pipe, "latent_shape", None),
-                use_autocast=use_autocast,
-                schedule=schedule,
-            )
-            imgs = decode(pipe, out.latents)
+            cond = encoder.cond(chunk, negative=guidance_scale > 1)
+            if solver == "dpm":  # the same initial noise as the Euler sampler draws from `gen`
+                shape = (
+                    getattr(pipe, "latent_shape", None)
+                    or (transformer.config.in_channels,) + (transformer.config.sample_size,) * 2
+                )
+                noise = randn((len(chunk), *shape), gen).to(cond.embeds.device)
+                kwargs = dict(num_steps=num_steps, guidance_scale=guidance_scale, use_autocast=use_autocast)
+                latents = dpm_solver_sample(transformer, pipe.scheduler, cond, noise, **kwargs)
+            else:
+                latents = sample(
+                    transformer,
+                    pipe.scheduler,
+                    cond,
+                    num_steps=num_steps,
+                    guidance_scale=guidance_scale,
+                    generator=gen,
+                    latent_shape=getattr(pipe, "latent_shape", None),
+                    use_autocast=use_autocast,
+                    schedule=schedule,
+                ).latents
+            imgs = decode(pipe, latents)
             for name, value in reward_fn(imgs, chunk).items():
                 scores.setdefault(name, []).append(value.float().cpu())
             images.append(imgs.cpu())
@@ -2157,6 +2200,7 @@ def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, l
             seed=0,
             use_autocast=args.mixed_precision,
             schedule=getattr(args, "sigma_schedule", "pipeline"),
+            solver=getattr(args, "eval_solver", "euler"),
         )
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)

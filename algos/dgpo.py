@@ -131,7 +131,8 @@ class Args:
     grad_steps_per_epoch: int = 2
     """optimizer steps per inner epoch (the epoch's micro-batches are split into this many accumulation chunks)"""
     num_train_timesteps: int = 4
-    """T, training timesteps per inner epoch, stratified over the window and shared by every micro-batch (paper: 4)"""
+    """T, training timesteps per inner epoch, distinct, drawn uniformly from the window and shared by every micro-batch
+    (paper: 4)"""
     timestep_range: float = 0.6
     """timestep clip: train only on schedule indices whose sigma >= 1 - range (Flow-Factory: 0.6)"""
     adv_clip: float = 5.0
@@ -170,6 +171,9 @@ class Args:
     kl_cfg: float = 4.5
     """CFG scale of the base model in the KL and in the reference DSM error (paper: 1 with CFG rollouts; 4.5 CFG-free,
     as here: the rollouts are CFG-free)"""
+    eval_solver: Literal["euler", "dpm"] = "euler"
+    """evaluation sampler: "euler" (the rollout's) or "dpm", diffusers' 2nd-order DPM-Solver++ on flow sigmas, which the
+    official code evaluates with (Sana's scheduler, flow_shift 3; Euler at 14 steps scores lower)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -287,6 +291,15 @@ def group_noise(generators: list, group_size: int, shape) -> torch.Tensor:
     return common.randn((len(generators), *shape), generators).repeat_interleave(group_size, 0)
 
 
+def draw_timesteps(num_indices: int, count: int, generator: torch.Generator) -> list:
+    """`count` distinct schedule indices in [0, num_indices), a uniformly random subset, as the official
+    `random.sample(train_timesteps, M)` (DGPO scripts/train_sd3_dgpo.py:52-67): a stratified draw can repeat an index
+    when the strata do not fall on whole indices (4 of 7 in the SD3.5 config)."""
+    if count > num_indices:
+        raise common.UserError(f"--num-train-timesteps {count}: only {num_indices} schedule indices are in the window")
+    return torch.randperm(num_indices, generator=generator)[:count].tolist()
+
+
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
     """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
     the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
@@ -360,6 +373,7 @@ def main(args: Args):
     snapshots = {"ema_ref": ema_ref}  # saved with every checkpoint
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    draw_timesteps(eligible, args.num_train_timesteps, torch.Generator())  # refuses T > window before any output
     if dist.is_main:
         print(
             f"training timesteps per epoch T={args.num_train_timesteps} (shared by all groups), "
@@ -465,7 +479,7 @@ def main(args: Args):
             for inner in range(args.num_inner_epochs):
                 # one set of T timesteps for every micro-batch (and rank: prompt_gen is shared), and one noise per group
                 # (keyed by the global group index) reused at every timestep
-                timesteps = common.stratified_indices(eligible, args.num_train_timesteps, prompt_gen)
+                timesteps = draw_timesteps(eligible, args.num_train_timesteps, prompt_gen)
                 groups = local_idx[:: args.group_size] // args.group_size
                 eps = group_noise(
                     common.keyed_generators(args.seed, epoch, "train", inner, indices=groups), args.group_size, x0.shape[1:]

@@ -802,3 +802,31 @@ def test_compile_without_a_compiler_is_one_clear_line(monkeypatch):
     assert "no C++ compiler" in common.compile_unavailable("cpu")
     with pytest.raises(common.UserError, match=r"--compile: no C\+\+ compiler .*run without --compile"):
         common.check_args(nft.Args(compile=True, device="cpu"))
+
+
+def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler(pipe):
+    """`solver="dpm"`: StableDiffusion3Pipeline with diffusers' DPMSolverMultistepScheduler (flow sigmas, the pipeline's
+    shift, 2nd order), the same initial noise; and it differs from the Euler sampler at the same step count."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    steps, shift = 6, pipe.scheduler.config["shift"]
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    latents = common.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
+    dpm = DPMSolverMultistepScheduler(
+        flow_shift=shift, use_flow_sigmas=True, prediction_type="flow_prediction", solver_order=2, final_sigmas_type="zero"
+    )
+    stock = type(pipe.pipe)(**{**pipe.pipe.components, "scheduler": dpm})
+    ref = stock(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        height=64,
+        width=64,
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
+    torch.testing.assert_close(common.decode(pipe, latents), ref, atol=1e-5, rtol=1e-5)
+    euler = common.sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise).latents
+    assert (euler - latents).abs().max() > 1e-3

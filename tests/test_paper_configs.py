@@ -140,6 +140,10 @@ DGPO_BASE = {
     "num_steps": (10, DGPO + "config/dgpo.py:147"),
     "guidance_scale": (4.5, DGPO + "config/dgpo.py:149"),
     "eval_guidance_scale": (4.5, DGPO + "scripts/train_sd3_dgpo.py:427"),
+    "eval_solver": (
+        "dpm",
+        DGPO + "scripts/train_sd3_dgpo.py:420 (eval through the pipeline, whose scheduler is the DPM-Solver)",
+    ),
     "resolution": (512, DGPO + "config/dgpo.py:151"),
     "grad_steps_per_epoch": (1, DGPO + "config/dgpo.py:159"),
     "advantage_std": ("global", DGPO + "config/dgpo.py:166"),
