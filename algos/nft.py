@@ -131,6 +131,10 @@ class Args:
     """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 9 of N=10 per image)"""
     timestep_range: float = 0.99
     """train on the schedule indices whose sigma >= 1 - range (0.99: all of them)"""
+    timesteps_per_image: bool = False
+    """draw T distinct indices of the window for each image (official DiffusionNFT: a random permutation of the rollout
+    timesteps per image, scripts/train_nft_sd3.py:810-816); off: T stratified indices shared by a micro-batch
+    (Flow-Factory)"""
     adv_clip: float = 5.0
     """advantages are clipped to [-c, c] before being mapped to r in [0, 1]"""
     advantage_std: Literal["group", "global"] = "global"
@@ -267,6 +271,19 @@ def nft_loss(v, v_old, x0, xt, sigma, r, beta: float, adaptive: bool):
     return (r * pos + (1 - r) * neg) / beta, pos.detach(), neg.detach()
 
 
+def timestep_indices(
+    num_indices: int, count: int, sample_idx, seed: int, epoch: int, micro_batch: int, per_image: bool
+) -> torch.Tensor:
+    """[B, T] schedule indices for the samples `sample_idx` of one micro-batch: `per_image`, T distinct
+    indices per image from its own keyed stream (the official per-image permutation); otherwise the micro-batch's T
+    stratified indices, shared by its samples (keyed by the micro-batch, so the same on any rank count)."""
+    if per_image:
+        gens = common.keyed_generators(seed, epoch, "image-timesteps", indices=sample_idx)
+        return torch.stack([torch.randperm(num_indices, generator=g)[:count] for g in gens])
+    t_gen = common.keyed_generator(seed, epoch, "timesteps", int(sample_idx[0]) // micro_batch)
+    return torch.tensor(common.stratified_indices(num_indices, count, t_gen)).expand(len(sample_idx), count)
+
+
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
     """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
     the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
@@ -337,9 +354,14 @@ def main(args: Args):
     snapshots = {"ema": ema}  # saved with every checkpoint
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if args.timesteps_per_image and args.num_train_timesteps > eligible:
+        raise common.UserError(
+            f"--num-train-timesteps {args.num_train_timesteps}: --timesteps-per-image draws distinct indices, and only "
+            f"{eligible} schedule indices are in the window"
+        )
     if dist.is_main:
         print(
-            f"training timesteps per micro-batch T={args.num_train_timesteps}, "
+            f"training timesteps per {'image' if args.timesteps_per_image else 'micro-batch'} T={args.num_train_timesteps}, "
             f"drawn from the {eligible} noisiest of {args.num_steps} steps"
         )
 
@@ -435,21 +457,29 @@ def main(args: Args):
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                 mb_cond = cond[sl]
-                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
-                for i in common.stratified_indices(eligible, args.num_train_timesteps, t_gen):
+                idx = timestep_indices(
+                    eligible,
+                    args.num_train_timesteps,
+                    local_idx[sl],
+                    args.seed,
+                    epoch,
+                    args.micro_batch,
+                    args.timesteps_per_image,
+                )  # [mb, T]
+                for j in range(args.num_train_timesteps):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
-                    s = sigmas[i]
+                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))  # per-sample sigma
                     xt = (1 - s) * x0[sl] + s * eps
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.swapped_weights(params, ema):
-                            v_old = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                            v_old = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                         v_ref = None
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                     with common.autocast(device, args.mixed_precision):
-                        v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        v = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                     loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
                     policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)

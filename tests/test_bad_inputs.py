@@ -69,6 +69,7 @@ SPECIFIC = [
     ("dgpo", "--ema-ref-decay-start 1.5", "--ema-ref-decay-start 1.5: must be in [0, 1]"),
     ("dgpo", "--micro-batch 2", "must hold whole groups"),
     ("dgpo", "--num-train-timesteps 11", "--num-train-timesteps 11: only"),
+    ("nft", "--timesteps-per-image --num-train-timesteps 11", "--num-train-timesteps 11: --timesteps-per-image draws"),
     ("nft", "--micro-batch 3", "micro_batch (3) must divide"),
     ("nft", "--lora-targets nosuchmodule", "--lora-targets nosuchmodule: no LoRA could be attached"),
     ("nft", "--lora-alpha 0", "--lora-alpha 0.0: must be > 0"),

@@ -92,6 +92,7 @@ NFT_BASE = {
     "max_grad_norm": (1.0, NFT + "config/base.py:79"),
     "timestep_range": (0.99, NFT + "config/base.py:87"),
     "num_train_timesteps": (9, NFT + "config/base.py:87 (int(10 x 0.99))"),
+    "timesteps_per_image": (True, NFT + "scripts/train_nft_sd3.py:810-816 (a timestep permutation per image)"),
     "lora_rank": (32, NFT + "scripts/train_nft_sd3.py:431"),
     "lora_alpha": (64.0, NFT + "scripts/train_nft_sd3.py:431"),
     "base_dtype": ("float32", NFT + "scripts/train_nft_sd3.py:417 (the transformer stays as loaded)"),
