@@ -9,6 +9,8 @@
 # DIFF --kl-adaptive batch: the reward level, as the paper describes it; Flow-Factory feeds the [0, 1]-mapped group
 # advantage, whose mean never changes (the paper's own equation could not be found: docs/crd.md, detail 8)
 # DIFF --micro-batch 24: Flow-Factory's 8 per GPU centres over mixed prompts; 24 = one whole group (within-prompt centring)
+# Timesteps: T=20 stratified over the 10 indices trains each exactly twice; Flow-Factory draws them at random and never
+# the last index (docs/crd.md): kept on purpose, no flag.
 # DIFF --centering group: the paper's within-prompt centring; Flow-Factory centres each per-device batch of 8
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
