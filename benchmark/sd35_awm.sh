@@ -8,7 +8,7 @@
 # Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag VALUE: reason" each:
 # DIFF --base-dtype bfloat16: the official code keeps the frozen transformer in fp32 (9 GB); bf16 halves it, and under
 # autocast its matmuls run in half precision either way
-# DIFF --mixed-precision True: the official autocast is fp16; cleanflow's is bf16 (no fp16 path: bf16 needs no loss scaling)
+# DIFF --mixed-precision True: the official autocast is fp16, cleanflow's bf16 (no fp16 path: bf16 needs no loss scaling)
 # DIFF --dynamics ODE: the official rollout is SA-Solver (use_sa_solver; deterministic at the PickScore noise 0); Euler ODE here
 # DIFF[ocr] --eta 0.7: SA-Solver noise 0.4 has no counterpart in the Euler ODE used here
 set -euo pipefail
@@ -17,7 +17,8 @@ DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # GenEval needs a detector-based reward that cleanflow does not have for real images (only the tiny-shapes checker).
 case "${TASK:-pickscore}" in
   pickscore) TASK_FLAGS=() ;;
-  ocr) TASK_FLAGS=(--reward ocr --kl-beta 3e-3 --skip-pure-noise --num-prompts 72 --micro-batch 3 --eval-every 20 --save-every 20) ;;
+  ocr) TASK_FLAGS=(--reward ocr --kl-beta 3e-3 --skip-pure-noise --num-prompts 72 --micro-batch 3
+                   --eval-every 20 --save-every 20) ;;
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 # geometry: M=24 prompts x K=24 images = 576 per epoch = 72 per GPU; 1 optimizer step per epoch (so the ratio is 1);

@@ -3,8 +3,9 @@
 # examples/dgpo/lora/sd3_5/default.yaml), 4 GPUs. Paper (SD3.5-M): GenEval 0.63 -> 0.97, OCR 0.59 -> 0.96 (dpo_beta 100
 # for those tasks; 10 for PickScore as here). Not verified here: no GPU. Official config: Luo-Yihong/DGPO @ 01ceb4b
 # config/dgpo.py (`pickscore_sd3_4gpu`, `general_ocr_sd3_4gpu`). Evaluation follows it: an EMA (decay 0.9) of the LoRA
-# weights, 14 DPM-Solver steps ("for quick monitoring"; --eval-solver dpm), CFG 4.5; the EMA is updated at every 8th optimizer step, once per official
-# micro-batch of that step (4 on 4 GPUs for PickScore, 2 for OCR: DGPO calls ema.step after every micro-batch).
+# weights, 14 DPM-Solver steps ("for quick monitoring"; --eval-solver dpm), CFG 4.5; the EMA is updated at every 8th
+# optimizer step, once per official micro-batch of that step (4 on 4 GPUs for PickScore, 2 for OCR: DGPO calls
+# ema.step after every micro-batch).
 # Sigma schedule: DGPO samples with diffusers' DPMSolverMultistepScheduler (flow_shift 3, flow sigmas), whose
 # set_timesteps(10) is the shifted linspace(0.999, 0.0999): --sigma-schedule pipeline (1 ... 0.25) within 4e-4.
 # Training timesteps: official trunc_steps 6 = step indices 0..6 (sigma >= 0.667 at 10 steps), i.e. --timestep-range 0.35.
@@ -35,5 +36,6 @@ torchrun --nproc-per-node 4 algos/dgpo.py \
   --num-train-timesteps 4 --timestep-range 0.35 --adv-clip 5 --advantage-std global \
   --dpo-beta 10 --clip-dsm --clip-range 5e-2 --switch-ema-ref 200 --ema-ref-decay-max 0.3 --ema-ref-decay-ramp 1e-3 \
   --kl-beta 1e-3 --kl-cfg 1.0 \
-  --eval-num-steps 14 --eval-guidance-scale 4.5 --eval-ema-decay 0.9 --eval-ema-interval 8 --eval-ema-repeats 4 --eval-solver dpm \
+  --eval-num-steps 14 --eval-guidance-scale 4.5 --eval-solver dpm \
+  --eval-ema-decay 0.9 --eval-ema-interval 8 --eval-ema-repeats 4 \
   --num-epochs 1000 --eval-every 60 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}

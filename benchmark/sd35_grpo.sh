@@ -13,7 +13,7 @@
 # DIFF --micro-batch 8: official 9 images per forward; 8 here so that 1152 images split into whole micro-batches on 8 GPUs
 # DIFF --base-dtype bfloat16: the official code keeps the frozen transformer in fp32 (9 GB); bf16 halves it, and under
 # autocast its matmuls run in half precision either way
-# DIFF --mixed-precision True: the official autocast is fp16; cleanflow's is bf16 (no fp16 path: bf16 needs no loss scaling)
+# DIFF --mixed-precision True: the official autocast is fp16, cleanflow's bf16 (no fp16 path: bf16 needs no loss scaling)
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # TASK=ocr: the full Flow-GRPO OCR config (flow_grpo config/grpo.py `general_ocr_sd3`): beta 0.04 on flow_grpo's KL form,

@@ -8,7 +8,7 @@
 # Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF --flag VALUE: reason" each:
 # DIFF --base-dtype bfloat16: the official code keeps the frozen transformer in fp32 (9 GB); bf16 halves it, and under
 # autocast its matmuls run in half precision either way
-# DIFF --mixed-precision True: the official autocast is fp16; cleanflow's is bf16 (no fp16 path: bf16 needs no loss scaling)
+# DIFF --mixed-precision True: the official autocast is fp16, cleanflow's bf16 (no fp16 path: bf16 needs no loss scaling)
 # DIFF --dynamics ODE: the official rollout is a deterministic 2nd-order DPM solver (solver "dpm2"); cleanflow's ODE is Euler
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
@@ -23,7 +23,8 @@ torchrun --nproc-per-node 8 algos/nft.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --num-prompts 48 --group-size 24 --micro-batch 9 \
-  --grad-steps-per-epoch 1 --num-steps 10 --sigma-schedule scheduler --num-train-timesteps 9 --timestep-range 0.99 --timesteps-per-image \
+  --grad-steps-per-epoch 1 --num-steps 10 --sigma-schedule scheduler \
+  --num-train-timesteps 9 --timestep-range 0.99 --timesteps-per-image \
   --nft-beta 1.0 --old-decay-ramp 0.001 --old-decay-max 0.5 --kl-beta 1e-4 \
   --eval-num-steps 40 --eval-guidance-scale 1.0 --eval-ema-decay 0.9 \
   --num-epochs 2000 --eval-every 20 --save-every 20 ${TASK_FLAGS[@]+"${TASK_FLAGS[@]}"}
