@@ -263,7 +263,7 @@ class Family:
     shift's mu; `decode(pipe, latents)` -> images in [-1, 1], [B, 3, H, W] (video: [B, F, 3, H, W]);
     `max_sequence_length(pipe, requested or None)` -> text tokens encoded;
     `load_kwargs(local folder or None)` -> extra `from_pretrained` keywords; `lora_targets`: the attention projections
-    the scripts' shared default `--lora-targets` attaches to in this family (peft skips names a model lacks; tested);
+    the scripts adapt when `--lora-targets` is not given (peft names: a module name or its dotted suffix; tested);
     `num_frames`: a video family's default frames per video (None: an image family); `check(config, args)`: the
     family's checks of the scripts' flags against the pipeline's model_index.json (`pipeline_config`), before loading;
     `scheduler(pipe)`: the Euler flow-matching scheduler to sample with where the pipeline ships another (Wan's UniPC);
@@ -335,11 +335,10 @@ class Model:
     def tokens(self) -> int:
         return self.family.tokens(self.latent_shape)
 
-    def sigmas(self, num_steps: int, device=None) -> torch.Tensor:
+    def sigmas(self, num_steps: int, device=None, schedule: str = "pipeline") -> torch.Tensor:
         """The sampler's sigma schedule at this model's resolution (see `sigma_schedule`)."""
-        return sigma_schedule(
-            self.scheduler, num_steps, device, mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
-        )
+        mu = mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
+        return sigma_schedule(self.scheduler, num_steps, device, mu, schedule)
 
 
 def pipeline_config(model: str) -> dict:
@@ -456,10 +455,12 @@ def latent_side(resolution: Optional[int], native: int, factor: int, patch: int)
     return resolution // factor
 
 
-def add_lora(transformer, rank: int, alpha: float, target_modules: Sequence[str]) -> list:
-    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights)."""
+def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequence[str]]) -> list:
+    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights).
+    `target_modules` None: the family's `lora_targets`."""
     from peft import LoraConfig
 
+    target_modules = family_of(transformer).lora_targets if target_modules is None else target_modules
     try:
         transformer.add_adapter(
             LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
@@ -580,19 +581,28 @@ class EvalEMA:
 
     `update(step)` after optimizer step `step` (counted from 1): e <- d e + (1 - d) p with d = min(decay, (1 + step) /
     (10 + step)), flow_grpo's warm-up (flow_grpo/ema.py), so early evaluations are not dominated by the initial weights.
+    Only at the steps with (step + 1) % interval == 0 (flow_grpo/ema.py `update_step_interval`), and there `repeats`
+    times: flow_grpo's and DGPO's training loops call `ema.step(global_step)` after every micro-batch, so an update
+    step gets one update per micro-batch of its optimizer step (2 in flow_grpo's 32-GPU SD3.5 configs: decay 0.9 at
+    interval 8 then averages 0.974 per step; 4 in DGPO's 4-GPU PickScore one: 0.949 per step).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], decay: float):
+    def __init__(self, params: Sequence[torch.Tensor], decay: float, interval: int = 1, repeats: int = 1):
         if not 0 <= decay < 1:
             raise UserError(f"eval_ema_decay must be in [0, 1) (0 = off), got {decay}")
-        self.params, self.decay = list(params), decay
+        if interval < 1 or repeats < 1:
+            raise UserError(f"eval_ema_interval and eval_ema_repeats must be >= 1, got {interval} and {repeats}")
+        self.params, self.decay, self.interval, self.repeats = list(params), decay, interval, repeats
         self.shadow = [p.detach().clone() for p in self.params] if decay > 0 else []
 
     @torch.no_grad()
     def update(self, step: int):
+        if (step + 1) % self.interval:
+            return
         d = min(self.decay, (1 + step) / (10 + step))
-        for e, p in zip(self.shadow, self.params):
-            e.lerp_(p.detach(), 1 - d)
+        for _ in range(self.repeats):
+            for e, p in zip(self.shadow, self.params):
+                e.lerp_(p.detach(), 1 - d)
 
     def swapped(self):
         return swapped_weights(self.params, self.shadow) if self.shadow else contextlib.nullcontext()
@@ -822,12 +832,18 @@ def mu_for(family: Family, scheduler, latent_shape, num_steps: int) -> Optional[
 # ----------------------------------------------------------------------------------------------------------------
 # the sampler
 # ----------------------------------------------------------------------------------------------------------------
-def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] = None) -> torch.Tensor:
-    """N+1 sigmas: linspace(1, 1/N, N) through the scheduler's shift, then a final 0 (Flow-Factory's schedule).
+SIGMA_SCHEDULES = ("pipeline", "scheduler")
 
-    flow_grpo samples with diffusers' default instead (`set_timesteps(N)`: linspace from sigma 1 to the shifted
-    1/1000, then the shift again): at 10 steps with shift 3 that is 1, 0.960, ..., 0.278, 0.009, 0 against
-    1, 0.964, ..., 0.429, 0.250, 0 here, so its last step starts almost at the data.
+
+def sigma_schedule(
+    scheduler, num_steps: int, device=None, mu: Optional[float] = None, schedule: str = "pipeline"
+) -> torch.Tensor:
+    """N+1 sigmas ending in 0. `schedule` "pipeline": linspace(1, 1/N, N) through the scheduler's shift (what the
+    FLUX.1/FLUX.2/Qwen-Image/Lumina 2 pipelines pass, and Flow-Factory). "scheduler": the scheduler's own
+    `set_timesteps(N)` (what StableDiffusion3Pipeline does with no sigmas, and flow_grpo, DiffusionNFT and AWM, which
+    pass `sigmas=None`): linspace from sigma 1 to the shifted 1/1000, then the shift again. At 10 steps with shift 3
+    that is 1, 0.960, ..., 0.278, 0.009, 0 against 1, 0.964, ..., 0.429, 0.250, 0, so its last step starts almost at
+    the data.
 
     SD3 has a fixed shift. Schedulers with `use_dynamic_shifting` (FLUX.1, FLUX.2, Qwen-Image) shift by exp(mu), and the
     family computes mu from the image's token count (`mu_for`; `Model.sigmas` passes it for the run's resolution)."""
@@ -838,8 +854,13 @@ def sigma_schedule(scheduler, num_steps: int, device=None, mu: Optional[float] =
         if mu is None:
             raise ValueError("a dynamically shifted schedule needs mu (common.mu_for); Model.sigmas passes it")
         kwargs["mu"] = mu
+    if schedule not in SIGMA_SCHEDULES:
+        raise UserError(f"unknown sigma schedule {schedule!r}; choose one of {', '.join(SIGMA_SCHEDULES)}")
     sched = copy.deepcopy(scheduler)  # set_timesteps mutates the scheduler; keep the pipeline's untouched
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
+    if schedule == "scheduler":
+        sched.set_timesteps(num_steps, device=device, **kwargs)
+    else:
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device, **kwargs)
     return sched.sigmas.float()
 
 
@@ -936,6 +957,7 @@ def sample(
     keep_means: bool = False,
     chunk: Optional[int] = None,
     on_chunk: Optional[Callable] = None,
+    schedule: str = "pipeline",
 ) -> Rollout:
     """Euler sampling from sigma = 1 to 0 with optional SDE steps; deterministic given `generator` (or `noise`).
 
@@ -947,6 +969,7 @@ def sample(
     `chunk`: sample this many at a time (None: the whole batch at once), calling `on_chunk(latents, slice)` after each
     (a `Scorer` decodes and scores them while the next chunk is sampled). With one generator per sample the result is
     that of one batch (see `Scorer`): each sample's noise is its own.
+    `schedule`: the sigma schedule, see `sigma_schedule`.
     """
     if dynamics not in DYNAMICS:
         raise UserError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
@@ -966,6 +989,7 @@ def sample(
             use_autocast=use_autocast,
             log_prob_form=log_prob_form,
             keep_means=keep_means,
+            schedule=schedule,
         )
         parts = []
         for start in range(0, batch, step):
@@ -999,7 +1023,8 @@ def sample(
         noise = randn((batch, *shape), generator)
     x = noise.to(device=device, dtype=torch.float32)
     # a dynamic shift depends on the image's token count: take it from the latents actually sampled
-    sigmas = sigma_schedule(scheduler, num_steps, device, mu_for(family_of(transformer), scheduler, x.shape[1:], num_steps))
+    mu = mu_for(family_of(transformer), scheduler, x.shape[1:], num_steps)
+    sigmas = sigma_schedule(scheduler, num_steps, device, mu, schedule)
     if dynamics == "ODE":
         sde_steps = []
     elif sde_steps is None:
@@ -1128,6 +1153,37 @@ class Scorer:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def dpm_solver_sample(
+    transformer, scheduler, cond: Cond, noise: torch.Tensor, *, num_steps: int, guidance_scale: float = 1.0, use_autocast=False
+) -> torch.Tensor:
+    """ODE sampling with diffusers' DPMSolverMultistepScheduler (2nd-order DPM-Solver++ on flow sigmas, the Sana
+    scheduler config that DGPO evaluates with, scripts/train_sd3_dgpo.py:557-559) at the pipeline scheduler's static
+    shift; the model sees the scheduler's timestep t as sigma = t / 1000, as a stock pipeline passes it. Returns the
+    final latents. Deterministic: no noise is drawn after `noise`."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    if scheduler.config.get("use_dynamic_shifting", False):
+        raise UserError("the DPM-Solver evaluation needs a scheduler with a static shift (SD3)")
+    dpm = DPMSolverMultistepScheduler(
+        num_train_timesteps=scheduler.config.get("num_train_timesteps", 1000),
+        flow_shift=scheduler.config.get("shift", 1.0),
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        final_sigmas_type="zero",
+        lower_order_final=True,
+    )
+    dpm.set_timesteps(num_steps, device=noise.device)
+    x = noise.float()
+    for t in dpm.timesteps:
+        with autocast(noise.device, use_autocast):
+            v = velocity(transformer, x, t.float() / dpm.config.num_train_timesteps, cond, guidance_scale)
+        x = dpm.step(v.float(), t, x).prev_sample
+    return x
+
+
 def evaluate(
     pipe,
     transformer,
@@ -1142,9 +1198,13 @@ def evaluate(
     use_autocast=False,
     repeats: int = 2,
     progress: bool = True,
+    schedule: str = "pipeline",
+    solver: str = "euler",
 ):
     """ODE samples for a fixed prompt list (each prompt `repeats` times) with fixed noise (seed + chunk index),
-    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates).
+    scored by `reward_fn`. `progress`: a transient progress bar over the images (only rank 0 evaluates). `schedule`:
+    the sigma schedule (`sigma_schedule`). `solver`: "euler" (the training sampler) or "dpm" (`dpm_solver_sample`,
+    which ignores `schedule`: DPM-Solver brings its own flow sigmas).
 
     Returns (images [B,3,H,W], {reward name: [B]}) in the order prompts * repeats. The same prompts and seed give
     the same noise in every run and every algorithm, so eval curves are comparable.
@@ -1158,17 +1218,28 @@ def evaluate(
         for k in range(0, len(prompts), batch):
             chunk = prompts[k : k + batch]
             gen = torch.Generator().manual_seed(seed + k)
-            out = sample(
-                transformer,
-                pipe.scheduler,
-                encoder.cond(chunk, negative=guidance_scale > 1),
-                num_steps=num_steps,
-                guidance_scale=guidance_scale,
-                generator=gen,
-                latent_shape=getattr(pipe, "latent_shape", None),
-                use_autocast=use_autocast,
-            )
-            imgs = decode(pipe, out.latents)
+            cond = encoder.cond(chunk, negative=guidance_scale > 1)
+            if solver == "dpm":  # the same initial noise as the Euler sampler draws from `gen`
+                shape = (
+                    getattr(pipe, "latent_shape", None)
+                    or (transformer.config.in_channels,) + (transformer.config.sample_size,) * 2
+                )
+                noise = randn((len(chunk), *shape), gen).to(cond.embeds.device)
+                kwargs = dict(num_steps=num_steps, guidance_scale=guidance_scale, use_autocast=use_autocast)
+                latents = dpm_solver_sample(transformer, pipe.scheduler, cond, noise, **kwargs)
+            else:
+                latents = sample(
+                    transformer,
+                    pipe.scheduler,
+                    cond,
+                    num_steps=num_steps,
+                    guidance_scale=guidance_scale,
+                    generator=gen,
+                    latent_shape=getattr(pipe, "latent_shape", None),
+                    use_autocast=use_autocast,
+                    schedule=schedule,
+                ).latents
+            imgs = decode(pipe, latents)
             for name, value in reward_fn(imgs, chunk).items():
                 scores.setdefault(name, []).append(value.float().cpu())
             images.append(imgs.cpu())
@@ -1359,6 +1430,9 @@ def check_args(args, fresh: bool = True):
         raise UserError(f"--eval-guidance-scale {args.eval_guidance_scale}: must be >= 1 (1 = no CFG)")
     if not 0 <= fields.get("eval_ema_decay", 0) < 1:
         raise UserError(f"--eval-ema-decay {args.eval_ema_decay}: must be in [0, 1) (0 = off)")
+    for name in ("eval_ema_interval", "eval_ema_repeats"):
+        if fields.get(name, 1) < 1:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be >= 1")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
         raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
@@ -1369,7 +1443,7 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
     if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
         raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
-    if "lora_targets" in fields and not args.lora_targets:
+    if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)
     model = Path(args.model).expanduser()
@@ -1796,13 +1870,14 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     settings["height"] = config.get("height") or config.get("resolution")
     settings["width"] = config.get("width") or config.get("resolution")
     settings["num_frames"] = config.get("num_frames") or pipe.family.num_frames
+    settings["sigma_schedule"] = config.get("sigma_schedule") or "pipeline"
     # as long as in training (PromptEncoder): e.g. SD3 without T5 pads with 1 zero token, not the pipeline's 256
     settings["max_sequence_length"] = pipe.family.max_sequence_length(pipe.pipe, config.get("max_sequence_length"))
     front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
-    targets = ", ".join(config.get("lora_targets", ()))
+    targets = ", ".join(config.get("lora_targets") or pipe.family.lora_targets)
     snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
     lines = front + [
         "---",
@@ -2233,6 +2308,8 @@ def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, l
             seed=0,
             use_autocast=args.mixed_precision,
             repeats=getattr(args, "eval_noises", 2),
+            schedule=getattr(args, "sigma_schedule", "pipeline"),
+            solver=getattr(args, "eval_solver", "euler"),
         )
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)

@@ -51,6 +51,11 @@ class Args:
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    eval_ema_interval: int = 1
+    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    eval_ema_repeats: int = 1
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
+    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -102,6 +107,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation) (paper: 14)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout and of the policy's training forward (AWM trains CFG-free)"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
@@ -112,17 +121,9 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
-    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
+    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
 
     # Optimizer & batch
     learning_rate: float = 1e-3
@@ -244,7 +245,7 @@ def aggregate_advantages(
         return group_advantages(total, group_size, std, leave_one_out, clip)
     if aggregation == "gdpo":
         combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
         return combined.clamp(-clip, clip) if clip is not None else combined
     raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
@@ -378,7 +379,7 @@ def main(args: Args):
     # ALGO LOGIC: the EMA (KL trust region, optional off-policy sampler) and the trainable timestep indices
     ema = [p.detach().clone() for p in params]
     snapshots = {"ema": ema}  # saved with every checkpoint
-    sigmas = pipe.sigmas(args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     min_index = 1 if args.skip_pure_noise else 0
     if eligible - min_index < 1:
@@ -394,7 +395,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
@@ -453,6 +454,7 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
+                    schedule=args.sigma_schedule,
                     chunk=scorer.chunk,
                     on_chunk=scorer,
                 )

@@ -52,6 +52,11 @@ class Args:
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    eval_ema_interval: int = 1
+    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    eval_ema_repeats: int = 1
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
+    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -103,6 +108,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout and of evaluation; DGPO's training forwards use no CFG (paper: 4.5; on tiny-shapes 4.5
     moved the held-out score only 0.578 -> 0.608 in 60 epochs, CFG 1 0.419 -> 0.582 (seed 1; 3 seeds: 0.523 ± 0.042))"""
@@ -114,17 +123,9 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
-    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
+    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
 
     # Optimizer & batch
     learning_rate: float = 1e-3
@@ -142,7 +143,8 @@ class Args:
     grad_steps_per_epoch: int = 2
     """optimizer steps per inner epoch (the epoch's micro-batches are split into this many accumulation chunks)"""
     num_train_timesteps: int = 4
-    """T, training timesteps per inner epoch, stratified over the window and shared by every micro-batch (paper: 4)"""
+    """T, training timesteps per inner epoch, distinct, drawn uniformly from the window and shared by every micro-batch
+    (paper: 4)"""
     timestep_range: float = 0.6
     """timestep clip: train only on schedule indices whose sigma >= 1 - range (Flow-Factory: 0.6)"""
     adv_clip: float = 5.0
@@ -181,6 +183,9 @@ class Args:
     kl_cfg: float = 4.5
     """CFG scale of the base model in the KL and in the reference DSM error (paper: 1 with CFG rollouts; 4.5 CFG-free,
     as here: the rollouts are CFG-free)"""
+    eval_solver: Literal["euler", "dpm"] = "euler"
+    """evaluation sampler: "euler" (the rollout's) or "dpm", diffusers' 2nd-order DPM-Solver++ on flow sigmas, which the
+    official code evaluates with (Sana's scheduler, flow_shift 3; Euler at 14 steps scores lower)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -247,7 +252,7 @@ def aggregate_advantages(
         return group_advantages(total, group_size, std, leave_one_out, clip)
     if aggregation == "gdpo":
         combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
         return combined.clamp(-clip, clip) if clip is not None else combined
     raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
@@ -296,6 +301,15 @@ def group_noise(generators: list, group_size: int, shape) -> torch.Tensor:
     """One eps per group (one generator each), repeated for its K contiguous samples: the K images of a prompt are
     noised identically, so their denoising errors differ only through x0 (variance reduction, paper §3.1 after Eq. 16)."""
     return common.randn((len(generators), *shape), generators).repeat_interleave(group_size, 0)
+
+
+def draw_timesteps(num_indices: int, count: int, generator: torch.Generator) -> list:
+    """`count` distinct schedule indices in [0, num_indices), a uniformly random subset, as the official
+    `random.sample(train_timesteps, M)` (DGPO scripts/train_sd3_dgpo.py:52-67): a stratified draw can repeat an index
+    when the strata do not fall on whole indices (4 of 7 in the SD3.5 config)."""
+    if count > num_indices:
+        raise common.UserError(f"--num-train-timesteps {count}: only {num_indices} schedule indices are in the window")
+    return torch.randperm(num_indices, generator=generator)[:count].tolist()
 
 
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
@@ -377,8 +391,9 @@ def main(args: Args):
     # ALGO LOGIC: whole groups per micro-batch, the fast "old" EMA (ema_ref), the timestep-clip window
     ema_ref = [p.detach().clone() for p in params]
     snapshots = {"ema_ref": ema_ref}  # saved with every checkpoint
-    sigmas = pipe.sigmas(args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    draw_timesteps(eligible, args.num_train_timesteps, torch.Generator())  # refuses T > window before any output
     if dist.is_main:
         print(
             f"training timesteps per epoch T={args.num_train_timesteps} (shared by all groups), "
@@ -390,7 +405,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
@@ -450,6 +465,7 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
+                    schedule=args.sigma_schedule,
                     chunk=scorer.chunk,
                     on_chunk=scorer,
                 )
@@ -483,7 +499,7 @@ def main(args: Args):
             for inner in range(args.num_inner_epochs):
                 # one set of T timesteps for every micro-batch (and rank: prompt_gen is shared), and one noise per group
                 # (keyed by the global group index) reused at every timestep
-                timesteps = common.stratified_indices(eligible, args.num_train_timesteps, prompt_gen)
+                timesteps = draw_timesteps(eligible, args.num_train_timesteps, prompt_gen)
                 groups = local_idx[:: args.group_size] // args.group_size
                 eps = group_noise(
                     common.keyed_generators(args.seed, epoch, "train", inner, indices=groups), args.group_size, x0.shape[1:]

@@ -51,6 +51,11 @@ class Args:
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    eval_ema_interval: int = 1
+    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    eval_ema_repeats: int = 1
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
+    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -102,6 +107,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout; the training forward uses the same (paper: 4.5; tiny-shapes learns better, at half the
     cost, without CFG: 4.5 moved the held-out score 0.578 -> 0.43-0.68 and back within 60 epochs)"""
@@ -113,17 +122,9 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
-    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
+    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
 
     # Optimizer & batch
     learning_rate: float = 5e-4
@@ -186,8 +187,9 @@ class Args:
     """"x": KL between the two Gaussian steps (kl_form); "v": ||v - v_ref||^2"""
     kl_form: Literal["exact", "official"] = "exact"
     """kl_type "x": "exact", ||mu - mu_ref||^2 / (2 std^2) with std = sigma_t sqrt(|dt|), the true KL; "official",
-    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt|, on which the paper's beta was tuned (same beta:
-    exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps)"""
+    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt| for the SDEs, on which the paper's beta was tuned (same
+    beta: exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps); under CPS flow_grpo divides by the step's own std, so
+    official = exact there"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -254,7 +256,7 @@ def aggregate_advantages(
         return group_advantages(total, group_size, std, leave_one_out, clip)
     if aggregation == "gdpo":
         combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
         return combined.clamp(-clip, clip) if clip is not None else combined
     raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
@@ -282,12 +284,14 @@ def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
     return ((mean - mean_ref) ** 2 / (2 * std**2)).flatten(1).mean(1)
 
 
-def step_kl(mean, mean_ref, std, dt: float, form: str = "exact") -> torch.Tensor:
-    """The per-sample KL penalty of one SDE step, std = sigma_t sqrt(|dt|). "exact": `gaussian_kl`. "official":
-    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) (scripts/train_sd3.py), i.e. exact x |dt| -- its beta (0.04, 0.01) is
-    tuned on this form, so at the same beta the exact KL is 1/|dt| times stronger."""
+def step_kl(mean, mean_ref, std, dt: float, form: str = "exact", dynamics: str = "Flow-SDE") -> torch.Tensor:
+    """The per-sample KL penalty of one stochastic step whose std is `std`. "exact": `gaussian_kl`. "official":
+    flow_grpo's ||mu - mu_ref||^2 / (2 std_dev_t^2) (scripts/train_sd3.py), where std_dev_t is what its
+    sde_step_with_logprob returns: for an SDE the diffusion coefficient sigma_t = std / sqrt(|dt|), so official =
+    exact x |dt| (its beta 0.04, 0.01 is tuned on this; at the same beta the exact KL is 1/|dt| times stronger); for
+    CPS the step's own std sigma_next sin(eta pi / 2), so official = exact (no |dt| there)."""
     kl = gaussian_kl(mean, mean_ref, std)
-    return kl * abs(dt) if form == "official" else kl
+    return kl * abs(dt) if form == "official" and dynamics != "CPS" else kl
 
 
 def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
@@ -399,7 +403,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
@@ -467,6 +471,7 @@ def main(args: Args):
                 keep_trajectory=True,
                 latent_shape=pipe.latent_shape,
                 use_autocast=args.mixed_precision,
+                schedule=args.sigma_schedule,
                 log_prob_form=args.log_prob_form,
                 keep_means=args.grpo_guard,
                 chunk=scorer.chunk,
@@ -550,7 +555,9 @@ def main(args: Args):
                                     x_next=x_next,
                                     sigma_cap=float(sigmas[1]),
                                 )
-                                kl = step_kl(mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form)
+                                kl = step_kl(
+                                    mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form, args.dynamics
+                                )
                             else:
                                 kl = (v - v_ref).pow(2).flatten(1).mean(1)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too

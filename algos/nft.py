@@ -50,6 +50,11 @@ class Args:
     eval_ema_decay: float = 0.0
     """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
     checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    eval_ema_interval: int = 1
+    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    eval_ema_repeats: int = 1
+    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
+    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
     save_every: int = 10
     """checkpoint every this many epochs (and at the end)"""
     keep_checkpoints: int = 3
@@ -101,6 +106,10 @@ class Args:
     """held-out prompt file for evaluation"""
     num_steps: int = 10
     """N, sampling steps of the rollout (and of evaluation)"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
+    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
+    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout and of the policy's training forward (DiffusionNFT trains CFG-free)"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
@@ -111,17 +120,9 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_targets: tuple[str, ...] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
-    """module names that get LoRA adapters (SD3 joint-attention projections)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
+    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
 
     # Optimizer & batch
     learning_rate: float = 3e-3
@@ -142,6 +143,10 @@ class Args:
     """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 9 of N=10 per image)"""
     timestep_range: float = 0.99
     """train on the schedule indices whose sigma >= 1 - range (0.99: all of them)"""
+    timesteps_per_image: bool = False
+    """draw T distinct indices of the window for each image (official DiffusionNFT: a random permutation of the rollout
+    timesteps per image, scripts/train_nft_sd3.py:810-816); off: T stratified indices shared by a micro-batch
+    (Flow-Factory)"""
     adv_clip: float = 5.0
     """advantages are clipped to [-c, c] before being mapped to r in [0, 1]"""
     advantage_std: Literal["group", "global"] = "global"
@@ -234,7 +239,7 @@ def aggregate_advantages(
         return group_advantages(total, group_size, std, leave_one_out, clip)
     if aggregation == "gdpo":
         combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / combined.std(unbiased=False).clamp_min(1e-8)
+        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
         return combined.clamp(-clip, clip) if clip is not None else combined
     raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
 
@@ -276,6 +281,19 @@ def nft_loss(v, v_old, x0, xt, sigma, r, beta: float, adaptive: bool):
     pos = x0_regression(xt - sigma * v_pos, x0, adaptive)
     neg = x0_regression(xt - sigma * v_neg, x0, adaptive)
     return (r * pos + (1 - r) * neg) / beta, pos.detach(), neg.detach()
+
+
+def timestep_indices(
+    num_indices: int, count: int, sample_idx, seed: int, epoch: int, micro_batch: int, per_image: bool
+) -> torch.Tensor:
+    """[B, T] schedule indices for the samples `sample_idx` of one micro-batch: `per_image`, T distinct
+    indices per image from its own keyed stream (the official per-image permutation); otherwise the micro-batch's T
+    stratified indices, shared by its samples (keyed by the micro-batch, so the same on any rank count)."""
+    if per_image:
+        gens = common.keyed_generators(seed, epoch, "image-timesteps", indices=sample_idx)
+        return torch.stack([torch.randperm(num_indices, generator=g)[:count] for g in gens])
+    t_gen = common.keyed_generator(seed, epoch, "timesteps", int(sample_idx[0]) // micro_batch)
+    return torch.tensor(common.stratified_indices(num_indices, count, t_gen)).expand(len(sample_idx), count)
 
 
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
@@ -354,11 +372,16 @@ def main(args: Args):
     # ALGO LOGIC: the "old" policy, an EMA of the trained weights: the reference of v+/v-, and the rollout policy if off_policy
     ema = [p.detach().clone() for p in params]
     snapshots = {"ema": ema}  # saved with every checkpoint
-    sigmas = pipe.sigmas(args.num_steps, device)
+    sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if args.timesteps_per_image and args.num_train_timesteps > eligible:
+        raise common.UserError(
+            f"--num-train-timesteps {args.num_train_timesteps}: --timesteps-per-image draws distinct indices, and only "
+            f"{eligible} schedule indices are in the window"
+        )
     if dist.is_main:
         print(
-            f"training timesteps per micro-batch T={args.num_train_timesteps}, "
+            f"training timesteps per {'image' if args.timesteps_per_image else 'micro-batch'} T={args.num_train_timesteps}, "
             f"drawn from the {eligible} noisiest of {args.num_steps} steps"
         )
 
@@ -367,7 +390,7 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay)  # evaluation only, see --eval-ema-decay
+    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
@@ -426,6 +449,7 @@ def main(args: Args):
                     generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
                     latent_shape=pipe.latent_shape,
                     use_autocast=args.mixed_precision,
+                    schedule=args.sigma_schedule,
                     chunk=scorer.chunk,
                     on_chunk=scorer,
                 )
@@ -453,21 +477,29 @@ def main(args: Args):
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                 mb_cond = cond[sl]
-                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
-                for i in common.stratified_indices(eligible, args.num_train_timesteps, t_gen):
+                idx = timestep_indices(
+                    eligible,
+                    args.num_train_timesteps,
+                    local_idx[sl],
+                    args.seed,
+                    epoch,
+                    args.micro_batch,
+                    args.timesteps_per_image,
+                )  # [mb, T]
+                for j in range(args.num_train_timesteps):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
-                    s = sigmas[i]
+                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))  # per-sample sigma
                     xt = (1 - s) * x0[sl] + s * eps
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with common.swapped_weights(params, ema):
-                            v_old = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                            v_old = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                         v_ref = None
                         if args.kl_beta > 0:
                             with common.reference_model(transformer):
-                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                                v_ref = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                     with common.autocast(device, args.mixed_precision):
-                        v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        v = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                     loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
                     policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)

@@ -247,7 +247,10 @@ def sd35_lora_params(args) -> int:
 
     with torch.device("meta"):
         t = SD3Transformer2DModel(**SD35_MEDIUM)
-    t.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets)))
+    from models import sd3
+
+    targets = sd3.FAMILY.lora_targets if args.lora_targets is None else args.lora_targets
+    t.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(targets)))
     return sum(p.numel() for n, p in t.named_parameters() if "lora_" in n)
 
 

@@ -4,10 +4,14 @@
 # Paper: GenEval and OCR with "competitive SOTA"; its exact numbers could not be verified (see docs/crd.md).
 # DATA: a folder with train.txt / test.txt (e.g. flow_grpo's dataset/ocr or dataset/pickscore).
 # Evaluation follows the authors' config: 40 steps, no CFG, the trained weights themselves (no EMA).
-# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag: reason" each:
-# Reward-adaptive KL: --kl-adaptive batch follows the reward level as the paper describes; Flow-Factory feeds the group
-# advantage (--kl-adaptive advantage), whose mean never changes (docs/crd.md, implementation detail 8).
-# DIFF --micro-batch: Flow-Factory's 8 per GPU centres over mixed prompts; 24 = one whole group (within-prompt centring)
+# Sigma schedule: Flow-Factory's shifted linspace(1, 1/N) (--sigma-schedule pipeline; SD3's own default is the scheduler's).
+# Differences from the official config (checked by tests/test_paper_configs.py), one "# DIFF[task] --flag VALUE: reason" each:
+# DIFF --kl-adaptive batch: the reward level, as the paper describes it; Flow-Factory feeds the [0, 1]-mapped group
+# advantage, whose mean never changes (the paper's own equation could not be found: docs/crd.md, detail 8)
+# DIFF --micro-batch 24: Flow-Factory's 8 per GPU centres over mixed prompts; 24 = one whole group (within-prompt centring)
+# Timesteps: T=20 stratified over the 10 indices trains each exactly twice; Flow-Factory draws them at random and never
+# the last index (docs/crd.md): kept on purpose, no flag.
+# DIFF --centering group: the paper's within-prompt centring; Flow-Factory centres each per-device batch of 8
 set -euo pipefail
 DATA=${DATA:?set DATA to a prompt folder with train.txt and test.txt}
 # TASK=ocr: the hyperparameters above are already the paper's OCR settings (Table 3); needs `pip install -r rewards/requirements-ocr.txt` and OCR prompts (text in double quotes).
@@ -22,7 +26,7 @@ esac
 torchrun --nproc-per-node 8 algos/crd.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
-  --num-steps 10 --guidance-scale 1.0 --dynamics ODE \
+  --num-steps 10 --sigma-schedule pipeline --guidance-scale 1.0 --dynamics ODE \
   --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 48 --group-size 24 --micro-batch 24 --grad-steps-per-epoch 2 \
   --num-train-timesteps 20 --timestep-range 0.99 --adv-clip 5 --advantage-std global \

@@ -51,8 +51,11 @@ def latent_shape(pipe, height, width, num_frames):
 
 
 def card(pipe, call, settings):
-    """SD3's pipeline samples on the scheduler's default grid: pass ours (`common.sigma_schedule`)."""
+    """SD3's pipeline samples on the scheduler's default grid, which `--sigma-schedule scheduler` trained on; the
+    default `pipeline` grid is passed explicitly (`common.sigma_schedule`)."""
     n = settings["num_steps"]
+    if settings.get("sigma_schedule") == "scheduler":
+        return [], call, "images"
     return [], {**call, "sigmas": f"np.linspace(1.0, 1 / {n}, {n}).tolist()"}, "images"
 
 
@@ -74,5 +77,9 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
     card=card,
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    # `attn.` keeps SD3.5-M's second self-attention `attn2` (dual-attention blocks 0-12: 52 more modules, +27% LoRA
+    # parameters) out, as flow_grpo scripts/train_sd3.py:419-428, DiffusionNFT, AWM, DGPO and Flow-Factory do
+    lora_targets=tuple(
+        "attn." + t for t in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    ),
 )

@@ -17,8 +17,8 @@ SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
 FAKE_TORCHRUN = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "$0"'
 
 
-def parse_script(script: Path, task: str):
-    """Run a paper script with a fake torchrun; returns (GPU count, algorithm name, the parsed Args)."""
+def parse_script(script: Path, task: str, with_flags: bool = False):
+    """Run a paper script with a fake torchrun; returns (GPU count, algorithm name, the parsed Args[, its arguments])."""
     out = run_script(
         ["bash", "-c", FAKE_TORCHRUN, script], python=False, timeout=60, env={**os.environ, "TASK": task, "DATA": "/data"}
     )
@@ -26,7 +26,8 @@ def parse_script(script: Path, task: str):
     assert argv[0] == "--nproc-per-node"
     world, path, flags = int(argv[1]), argv[2], argv[3:]
     algo = importlib.import_module(f"algos.{Path(path).stem}")
-    return world, Path(path).stem, tyro.cli(algo.Args, args=flags)
+    args = tyro.cli(algo.Args, args=flags)
+    return (world, Path(path).stem, args, flags) if with_flags else (world, Path(path).stem, args)
 
 
 @pytest.mark.parametrize("task", ["pickscore", "ocr"])

@@ -42,6 +42,53 @@ def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_scheduler_schedule_is_the_stock_sd3_pipelines(pipe):
+    """`schedule="scheduler"` samples what StableDiffusion3Pipeline does when given no sigmas (flow_grpo & co)."""
+    steps = 6
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    out = common.sample(
+        pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise, schedule="scheduler"
+    )
+    ref = pipe(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        height=64,
+        width=64,
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
+    torch.testing.assert_close(out.sigmas, pipe.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule it set
+    assert out.sigmas[-2] < 0.01  # ends near the data, unlike the shifted linspace's 1/N
+    torch.testing.assert_close(common.decode(pipe, out.latents), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sigma_schedules_match_diffusers_and_flow_grpos_numbers():
+    """ "scheduler" = diffusers' own `set_timesteps(N)` (what flow_grpo, DiffusionNFT and AWM sample with), also written
+    out in numpy: t from 1 to the shifted 1/1000, shifted again; "pipeline" = the shifted linspace(1, 1/N). SD3.5's shift
+    3 at 10 steps: the last steps are 0.278 -> 0.009 (scheduler) and 0.429 -> 0.25 (pipeline); 40 steps end at 0.009."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    def shift(s):
+        return 3 * s / (1 + 2 * s)
+
+    for steps in (10, 14, 40):
+        ref = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        ours = common.sigma_schedule(ref, steps, schedule="scheduler")
+        ref.set_timesteps(steps)
+        torch.testing.assert_close(ours, ref.sigmas.float(), atol=0, rtol=0)
+        t = np.linspace(1.0, shift(1 / 1000), steps)
+        np.testing.assert_allclose(ours.numpy(), np.append(shift(t), 0.0), atol=1e-6)
+        pipeline = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), steps)
+        np.testing.assert_allclose(pipeline.numpy(), np.append(shift(np.linspace(1.0, 1 / steps, steps)), 0.0), atol=1e-6)
+    s10 = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), 10, schedule="scheduler")
+    np.testing.assert_allclose(s10[-3:-1].numpy(), [0.278, 0.009], atol=1e-3)
+    p10 = common.sigma_schedule(FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
+    np.testing.assert_allclose(p10[-3:-1].numpy(), [0.429, 0.25], atol=1e-3)
+
+
 def test_sigma_schedule_is_shifted_linspace(pipe):
     s = common.sigma_schedule(pipe.scheduler, 10)
     base = np.linspace(1.0, 0.1, 10)
@@ -281,6 +328,30 @@ def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
     assert off.state() is None and not off.shadow
     with pytest.raises(common.UserError):
         common.EvalEMA(params, 1.0)
+
+
+def test_eval_ema_interval_and_repeats_follow_flow_grpos_call_pattern():
+    """flow_grpo/ema.py with update_step_interval 8, called as its train_sd3.py does: after every micro-batch with the
+    current global_step (A micro-batches per optimizer step, the step counter bumped at the last one), written out
+    here as that loop; cleanflow updates once per optimizer step with interval 8 and repeats A."""
+    A, interval, decay = 3, 8, 0.9
+    params = [torch.zeros(4)]
+    ours = common.EvalEMA(params, decay, interval, A)
+    ref, global_step = params[0].clone(), 0
+    for step in range(1, 38):  # ends before step 39, whose updates (39 + 1 = 40 = 5 x 8) flow_grpo spreads into step 40
+        for mb in range(A):
+            if mb == A - 1:  # the optimizer step happens at the last micro-batch
+                with torch.no_grad():
+                    params[0].add_(torch.arange(4.0) + step)
+                global_step += 1
+                ours.update(global_step)
+            if (global_step + 1) % interval == 0:  # flow_grpo's ema.step(parameters, global_step)
+                d = min((1 + global_step) / (10 + global_step), decay)
+                ref = ref + (1 - d) * (params[0] - ref)
+    torch.testing.assert_close(ours.shadow[0], ref)
+    assert not torch.equal(ref, params[0])
+    with pytest.raises(common.UserError):
+        common.EvalEMA(params, 0.9, 0)
 
 
 def test_missing_model_path_is_one_clear_line(tmp_path):
@@ -731,3 +802,31 @@ def test_compile_without_a_compiler_is_one_clear_line(monkeypatch):
     assert "no C++ compiler" in common.compile_unavailable("cpu")
     with pytest.raises(common.UserError, match=r"--compile: no C\+\+ compiler .*run without --compile"):
         common.check_args(nft.Args(compile=True, device="cpu"))
+
+
+def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler(pipe):
+    """`solver="dpm"`: StableDiffusion3Pipeline with diffusers' DPMSolverMultistepScheduler (flow sigmas, the pipeline's
+    shift, 2nd order), the same initial noise; and it differs from the Euler sampler at the same step count."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    steps, shift = 6, pipe.scheduler.config["shift"]
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    latents = common.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
+    dpm = DPMSolverMultistepScheduler(
+        flow_shift=shift, use_flow_sigmas=True, prediction_type="flow_prediction", solver_order=2, final_sigmas_type="zero"
+    )
+    stock = type(pipe.pipe)(**{**pipe.pipe.components, "scheduler": dpm})
+    ref = stock(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        height=64,
+        width=64,
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
+    torch.testing.assert_close(common.decode(pipe, latents), ref, atol=1e-5, rtol=1e-5)
+    euler = common.sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise).latents
+    assert (euler - latents).abs().max() > 1e-3

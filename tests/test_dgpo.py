@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import run_script
 
+import common
 from algos import dgpo
 
 # measured (6 epochs, CFG 1): compressibility -0.739 -> -0.523 (+0.22), incompressibility 0.739 -> 0.785 (+0.05); with
@@ -146,3 +147,17 @@ def test_dgpo_learns_both_directions(reward, tmp_path):
     curve = _eval_curve(run_dir, f"eval/{reward}")
     assert len(curve) == 2
     assert curve[1] - curve[0] > MIN_GAIN[reward], curve
+
+
+def test_training_timesteps_are_distinct_and_uniform_like_random_sample():
+    """DGPO draws T distinct indices of the window (random.sample): 4 of 7 never repeats one (a stratified draw over 7
+    can), and each index is drawn with probability 4/7."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(7)
+    for _ in range(7000):
+        idx = dgpo.draw_timesteps(7, 4, g)
+        assert len(set(idx)) == 4 and all(0 <= i < 7 for i in idx)
+        counts[idx] += 1
+    torch.testing.assert_close(counts / 7000, torch.full((7,), 4 / 7), atol=0.03, rtol=0)
+    with pytest.raises(common.UserError, match="only 3 schedule indices"):
+        dgpo.draw_timesteps(3, 4, g)

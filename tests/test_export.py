@@ -123,7 +123,7 @@ def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(tr
         keys = list(f.keys())
     # alpha / r = 2: without it diffusers would take alpha = r (metadata keys are prefixed by the pipeline component)
     assert meta["transformer.r"] == 16 and meta["transformer.lora_alpha"] == 32.0
-    assert sorted(meta["transformer.target_modules"]) == sorted(load_algo("nft").Args.lora_targets)
+    assert sorted(meta["transformer.target_modules"]) == sorted(common.FAMILIES["StableDiffusion3Pipeline"].lora_targets)
     assert keys and all(k.startswith("transformer.") for k in keys)
 
 

@@ -93,6 +93,27 @@ def test_official_kl_form_is_flow_grpos_formula():
     )
 
 
+def test_official_kl_form_under_cps_is_flow_grpos_formula():
+    """flow_grpo's CPS branch (sd3_sde_with_logprob.py, sde_type "cps") returns std_dev_t = sigma_next sin(eta pi / 2),
+    the step's own std, and train_sd3.py divides by 2 std_dev_t^2: no |dt| factor, so official = exact here. Computed
+    in numpy from x, v, v_ref alone (x0 = x - s v, x1 = x + (1 - s) v, mu = (1 - s') x0 + sqrt(s'^2 - std^2) x1)."""
+    g = torch.Generator().manual_seed(2)
+    x, v, v_ref = (torch.randn(2, 4, 6, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    s, s_next, eta = 0.5, 0.4, 0.7
+    _, _, mean, std = common.sde_step(x, v, s, s_next, "CPS", eta)
+    _, _, mean_ref, _ = common.sde_step(x, v_ref, s, s_next, "CPS", eta)
+    xn, vn, vrn = x.numpy(), v.numpy(), v_ref.numpy()
+    std_dev_t = s_next * np.sin(eta * np.pi / 2)
+
+    def cps_mean(vel):
+        return (1 - s_next) * (xn - s * vel) + np.sqrt(s_next**2 - std_dev_t**2) * (xn + (1 - s) * vel)
+
+    ref = ((cps_mean(vn) - cps_mean(vrn)) ** 2).mean(axis=(1, 2, 3)) / (2 * std_dev_t**2)
+    ours = grpo.step_kl(mean, mean_ref, std, s_next - s, "official", "CPS")
+    np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-5)
+    np.testing.assert_allclose(grpo.step_kl(mean, mean_ref, std, s_next - s, "exact", "CPS").numpy(), ref, rtol=1e-5)
+
+
 def test_guard_log_ratio_is_noise_dot_mean_shift():
     """RatioNorm, computed independently: for x' = mu_old + std z the normalised log-ratio is mean(z (mu - mu_old)), so
     it is centred at 0 over z (the plain log-ratio is biased below 0 by ||mu - mu_old||^2 / (2 std^2))."""

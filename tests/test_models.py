@@ -204,9 +204,12 @@ def test_training_changes_the_lora(family, algo, family_dirs, tmp_path):
     weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at 0: any non-zero entry is a trained update
-    # the scripts' shared default targets attach to exactly the family's own list (peft skips names a model lacks)
-    targets = {t for t in args.lora_targets if any(k.split(".lora_B")[0].endswith("." + t) for k in weights if "lora_B" in k)}
-    assert targets == set(trained.family.lora_targets)
+    # the scripts' default (None) attaches to the family's own list: every name adapts a module, and only those do
+    adapted = {k.split(".lora_B")[0] for k in weights if "lora_B" in k}
+    assert args.lora_targets is None
+    for t in trained.family.lora_targets:
+        assert any(m.endswith("." + t) for m in adapted), (family, t)
+    assert all(any(m.endswith("." + t) for t in trained.family.lora_targets) for m in adapted)
     if algo == "nft" and hasattr(trained.pipe, "load_lora_weights"):  # the export loads into the stock pipeline
         path = family_dirs(FAMILIES[family][0])
         stock = type(trained.pipe).from_pretrained(path, **trained.family.load_kwargs(Path(path)))
@@ -255,6 +258,46 @@ def run_card(run_dir, trained, args, tmp_path) -> float:
     diff = ((ours * 255).round() - ref).abs().max().item()
     assert diff <= 1  # both rounded to 8 bits: equal up to a value that lands on the other side of a rounding boundary
     return diff
+
+
+def test_sd3_lora_targets_skip_the_second_self_attention_of_sd35_medium():
+    """SD3.5-M's block layout (24 joint blocks, dual attention in blocks 0-12, the last block context_pre_only) at tiny
+    width. Counted by hand: each block's `attn` has to_q/k/v, to_out.0 and add_q/k/v_proj, and to_add_out in all but the
+    last block: 24 x 7 + 23 = 191 modules, as flow_grpo's `attn.*` targets; bare names would add the 13 `attn2` x 4."""
+    from diffusers import SD3Transformer2DModel
+
+    def build():
+        torch.manual_seed(0)
+        return SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=24,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            caption_projection_dim=16,
+            pooled_projection_dim=16,
+            pos_embed_max_size=8,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        )
+
+    def adapted(t):
+        return {n.rsplit(".lora_A", 1)[0] for n, _ in t.named_parameters() if ".lora_A" in n}
+
+    t = build()
+    params = common.add_lora(t, 4, 8.0, None)  # the scripts' default: the family's list
+    ours = adapted(t)
+    assert len(ours) == 24 * 7 + 23 and len(params) == 2 * len(ours)
+    assert not any(".attn2." in m for m in ours)
+    assert sum(p.numel() for p in params) == len(ours) * 4 * (16 + 16)  # every projection here is 16 -> 16
+    bare = build()
+    common.add_lora(bare, 4, 8.0, [t.split("attn.", 1)[1] for t in models.sd3.FAMILY.lora_targets])
+    assert len(adapted(bare)) == len(ours) + 13 * 4 and adapted(bare) - ours == {
+        f"transformer_blocks.{b}.attn2.{p}" for b in range(13) for p in ("to_q", "to_k", "to_v", "to_out.0")
+    }
 
 
 def test_per_frame_video_reward_is_the_mean_over_frames():

@@ -194,3 +194,15 @@ def test_it_learns_jpeg_compressibility(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     before, after = _eval_curve(run_dir, "eval/jpeg_compressibility")
     assert after - before > 0.1, (before, after)
+
+
+def test_timesteps_per_image_are_distinct_per_image_and_keyed_by_the_image():
+    """Per image (official DiffusionNFT): each row holds T distinct indices from the image's own stream, so an image
+    gets the same draw whatever micro-batch it sits in; the default shares one stratified row per micro-batch."""
+    rows = nft.timestep_indices(10, 9, [4, 5, 6], seed=1, epoch=2, micro_batch=3, per_image=True)
+    assert rows.shape == (3, 9) and all(len(set(r.tolist())) == 9 for r in rows)
+    assert not torch.equal(rows[0], rows[1])
+    alone = nft.timestep_indices(10, 9, [5], seed=1, epoch=2, micro_batch=1, per_image=True)
+    assert torch.equal(alone[0], rows[1])
+    shared = nft.timestep_indices(10, 4, [4, 5, 6], seed=1, epoch=2, micro_batch=3, per_image=False)
+    assert shared.shape == (3, 4) and all(torch.equal(r, shared[0]) for r in shared)
