@@ -269,28 +269,36 @@ def cmd_table(args, sets):
             f"{' '.join(f'{v:.3f}' for v in ex)} | {ex[-1] - ex[0]:+.3f} |"
         )
     if rows:
-        import matplotlib
+        plot(rows, base, args.results / "exact_vs_images.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-        for ax, cfg in zip(axes, ("CFG 1", "CFG 4.5")):
-            for r in rows:
-                if ("cfg4.5" in r["setting"]) == (cfg == "CFG 4.5") and len(r["images"]) > 1:
-                    ax.plot(r["images"], r["shapes_exact"], marker=".", alpha=0.7, label=f"{r['setting']} s{r['seed']}")
-            test = {x["guidance_scale"]: x for x in base if x["set"] == "test"}
-            for g, style in ((1.0, ":"), (4.5, "--")):
-                if g in test:
-                    ax.axhline(test[g]["exact"], color="k", ls=style, lw=1, label=f"base CFG {g:g} (other noises)")
-            if 1.0 in test:
-                ax.axhline(test[1.0]["best_of_4"], color="r", ls="-.", lw=1, label="base CFG 1 best-of-4")
-            ax.set_title(f"held-out exact, runs sampled at {cfg}")
-            ax.set_xlabel("images trained")
-            ax.legend(fontsize=6, ncol=2)
-        axes[0].set_ylabel("exact (30 prompts x 8 noises)")
-        fig.tight_layout()
-        fig.savefig(args.results / "exact_vs_images.png", dpi=110)
+def plot(rows: list, base: list, path: Path):
+    """One panel per algorithm: every run's held-out exact against images trained, with the base model on the same
+    noises (a CFG-1 run's first eval; a CFG-4.5 run's first eval) and the base's best-of-4 (8 other noises)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algos = sorted({SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] for r in rows})
+    fig, axes = plt.subplots(1, len(algos), figsize=(4 * len(algos), 4.2), sharey=True, squeeze=False)
+    first = {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
+    best4 = next((x["best_of_4"] for x in base if x["set"] == "test" and x["guidance_scale"] == 1.0), None)
+    for ax, algo in zip(axes[0], algos):
+        for r in rows:
+            if SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] == algo and len(r["images"]) > 1:
+                ax.plot(r["images"], r["shapes_exact"], marker=".", lw=1, label=f"{r['setting']} s{r['seed']}")
+        for cfg45, style, name in ((False, ":", "base CFG 1"), (True, "--", "base CFG 4.5")):
+            if cfg45 in first:
+                ax.axhline(first[cfg45], color="k", ls=style, lw=1, label=name)
+        if best4 is not None:
+            ax.axhline(best4, color="r", ls="-.", lw=1, label="base best-of-4")
+        ax.set_title(algo)
+        ax.set_xlabel("images trained")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("held-out exact (30 prompts x 8 noises)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def find_run(out: Path, setting: str, seed: int):
