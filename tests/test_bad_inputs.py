@@ -72,7 +72,9 @@ SPECIFIC = [
     ("nft", "--train-prompts {tmp}/empty.txt", "has no prompts"),
     ("nft", "--train-prompts {tmp}/bad.jsonl", "bad.jsonl:1: expected a JSON object"),
     ("nft", "--train-prompts {tmp}/missing.txt", "not found"),
-    ("nft", "--train-prompts {tmp}", "not found"),  # a folder
+    ("nft", "--train-prompts {tmp}", "is a folder"),
+    ("nft", "--train-prompts /dev/null", "is not a regular file"),
+    ("nft", "--test-prompts {tmp}", "is a folder"),
     ("nft", "--test-prompts {tmp}/missing.txt", "not found"),
     ("nft", "--reward shapes:heavy", "bad weight 'heavy'"),
     ("awm", "--num-train-timesteps 0", "--num-train-timesteps 0: must be > 0"),
