@@ -1535,7 +1535,7 @@ def restore_args(args, saved: dict) -> dict:
         )
     for name, value in saved.items():
         if name not in NOT_RESTORED and not _fits(value, hints[name]):
-            raise UserError(f"the checkpoint's {name} is {short(repr(value), 40)}, not a {_type_name(hints[name])}")
+            raise UserError(f"the checkpoint's {name} is {repr(value)[:40]}; {_flag(name)} takes {_type_name(hints[name])}")
     given, overrides = given_flags(args), {}
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):

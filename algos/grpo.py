@@ -320,6 +320,14 @@ def main(args: Args):
         )
     if args.grpo_guard and args.log_prob_form != "gaussian":
         raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
+    # which steps are stochastic (known from the flags alone)
+    window = list(range(args.num_steps))[slice(*args.sde_window)]
+    if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
+        window = [i for i in window if i < args.num_steps - 1]
+    if not 1 <= args.num_sde_steps <= len(window):
+        raise common.UserError(
+            f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
+        )
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -359,14 +367,7 @@ def main(args: Args):
     if dist.is_main:
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
-    # ALGO LOGIC: which steps are stochastic, and the state a checkpoint must carry beyond weights and optimizer
-    window = list(range(args.num_steps))[slice(*args.sde_window)]
-    if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
-        window = [i for i in window if i < args.num_steps - 1]
-    if not 1 <= args.num_sde_steps <= len(window):
-        raise common.UserError(
-            f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
-        )
+    # ALGO LOGIC: the state a checkpoint must carry beyond weights and optimizer
     snapshots = {}  # GRPO keeps no snapshot: old log-probs come from the rollout itself
     if dist.is_main:
         print(
