@@ -134,7 +134,7 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
 
 
 # seconds after which a test's process is taken to hang and killed: a guard, never a speed requirement (the longest
-# test run takes ~60 s on an idle 2-core machine; on a loaded one several times that)
+# test takes ~35 s on 2 idle cores, several times that on a busy or slower machine: a 300 s limit failed there)
 HANG_S = 1800
 
 
