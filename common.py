@@ -27,6 +27,8 @@ import shutil
 import sys
 import threading
 import time
+import types
+import typing
 import weakref
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -53,16 +55,27 @@ def run_main(main, args, argv: Optional[Sequence[str]] = None):
 
     `argv`: the command line `args` was parsed from (default `sys.argv[1:]`); `start_run` reads from it which flags
     were given, to compare them with a resumed run's."""
+    import signal
+
     _CLI["argv"] = list(sys.argv[1:] if argv is None else argv)
     try:
         check_integrations(args)
         main(args)
+        if _RUN.get("stop_signal") == signal.SIGTERM:
+            # stopped by a scheduler (Slurm, Kubernetes) after a clean checkpoint: 128 + signal, as a process killed by
+            # it would report, so that the scheduler does not take the run for finished
+            sys.exit(128 + signal.SIGTERM)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:  # anything else is a bug to see whole
+            raise
+        print(f"error: no space left on device ({e.filename or e}); the last complete checkpoint is kept", file=sys.stderr)
+        sys.exit(2)
     finally:
         release_run_locks()
         _CLI["argv"] = None
@@ -150,7 +163,8 @@ def check_same_on_all_ranks(params: Sequence[torch.Tensor]):
 
 
 class GracefulStop:
-    """First Ctrl-C (or SIGTERM): finish the current epoch, checkpoint and exit cleanly; a second Ctrl-C aborts."""
+    """First Ctrl-C (or SIGTERM): finish the current epoch, checkpoint and exit cleanly (exit code 0 after Ctrl-C,
+    143 after SIGTERM); a second Ctrl-C aborts."""
 
     def __init__(self):
         import signal
@@ -164,6 +178,7 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        _RUN["stop_signal"] = signum  # run_main exits 143 after a SIGTERM
         print("\nstop requested: finishing this epoch, then saving a checkpoint (Ctrl-C again to abort)", file=sys.stderr)
 
 
@@ -357,7 +372,7 @@ def pipeline_class(model: str) -> str:
     """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
     local = Path(model).expanduser()
     if (local / "model_index.json").is_file():
-        return json.loads((local / "model_index.json").read_text()).get("_class_name", "")
+        return read_model_index(local, model).get("_class_name", "")
     name = model.lower()
     for key, cls in HUB_NAMES:
         if key in name:
@@ -366,6 +381,36 @@ def pipeline_class(model: str) -> str:
         f"model {model!r}: cannot tell its family from the name; download it and pass the folder "
         f"(its model_index.json names the pipeline class)"
     )
+
+
+def read_model_index(local: Path, model: str) -> dict:
+    """A local pipeline folder's model_index.json, or one line saying why it cannot be read."""
+    path = local / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f"model {model!r}: {path} is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(index, dict):
+        raise UserError(f"model {model!r}: {path} is not a JSON object")
+    return index
+
+
+def check_model_folder(local: Path, model: str):
+    """Before the model loads: the folder's pipeline class is a registered family's, and the transformer it holds is
+    that family's (a class name over another family's parts loads, then fails at the first prompt)."""
+    index = read_model_index(local, model)
+    cls = index.get("_class_name", "")
+    if cls not in FAMILIES:
+        raise UserError(
+            f"model {model!r}: pipeline class {cls!r} is not a supported family "
+            f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
+        )
+    entry, want = index.get("transformer"), FAMILIES[cls].transformer
+    got = entry[1] if isinstance(entry, list) and len(entry) == 2 else entry
+    if got != want:
+        raise UserError(
+            f"model {model!r}: model_index.json names {cls}, whose transformer is {want}, but the folder holds {got}"
+        )
 
 
 # hub id substring -> pipeline class, first match wins (for hub ids without a local folder)
@@ -1078,19 +1123,31 @@ class Scorer:
     """Decodes and scores a rollout chunk by chunk, each in a worker thread while `sample` draws the next chunk
     (ddpo-pytorch's executor): `sample(..., chunk=scorer.chunk, on_chunk=scorer)`, then `images, scores = scorer.result()`.
 
-    `chunk`: samples per chunk (the scripts' micro-batch). None: no overlap, the path without a Scorer: `sample` draws the
-    whole batch at once and `result()` decodes and scores it (on a GPU a small micro-batch may sample slower in chunks
-    than the overlap saves). Either way the numbers are those of one batch: each sample's noise is keyed to it, and the
-    transformer, VAE and rewards treat the samples of a batch apart (to float rounding in the kernels' choice of blocking
-    for a batch size; on tiny-shapes 4 x 16 and 64 samples are bit-identical). One worker thread, so the reward is called
-    once at a time, in sample order -- except that once sampling is over, a reward marked `thread_safe` (OCR, shapes)
-    also runs in the main thread on the last waiting chunks, so a reward slower than sampling (OCR) uses both cores for
-    its tail. On the CPU torch and onnxruntime release the GIL, so the worker uses a second core; on a GPU both threads
-    queue kernels on the device. A reward error is raised in the caller, at the next chunk or at `result()`."""
+    `chunk`: samples per chunk (the scripts' micro-batch; None: the whole batch as one chunk). `overlap` False
+    (--no-overlap-reward): no worker thread; `result()` decodes and scores the same chunks after sampling. Both paths
+    call the transformer, the VAE and the reward on identical chunks, so they are bit-identical on any CPU by
+    construction: a CPU kernel may round differently for another batch size (on an AVX-512 Intel CPU GRPO's weights
+    differed by 2.3e-6 after one epoch when the sequential path sampled the whole batch at once), never for the same one.
+    One worker thread, so the reward is called once at a time, in sample order -- except that once sampling is over, a
+    reward marked `thread_safe` (OCR, shapes) also runs in the main thread on the last waiting chunks, so a reward
+    slower than sampling (OCR) uses both cores for its tail. On the CPU torch and onnxruntime release the GIL, so the
+    worker uses a second core; on a GPU both threads queue kernels on the device. A reward error is raised in the
+    caller, at the next chunk or at `result()`."""
 
-    def __init__(self, pipe, reward_fn: Callable, prompts: Sequence[str], chunk: Optional[int] = None):
+    def __init__(
+        self,
+        pipe,
+        reward_fn: Callable,
+        prompts: Sequence[str],
+        chunk: Optional[int] = None,
+        overlap: bool = True,
+        epoch: Optional[int] = None,
+    ):
         self.pipe, self.reward_fn, self.prompts, self.chunk = pipe, reward_fn, list(prompts), chunk
-        self.pool = None if chunk is None else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        self.epoch = epoch  # epochs done before this rollout: a reward error names the epoch and how to go on
+        self.pool = (
+            None if chunk is None or not overlap else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        )
         self.chunks, self.jobs = [], []  # the (latents, slice) of each chunk; with overlap, its future
         self.vae_lock = threading.Lock()  # the main thread may decode beside the worker once sampling is over (result)
         self.seconds = []  # time of each decode and reward call, in either thread (list.append is atomic)
@@ -1105,8 +1162,13 @@ class Scorer:
 
     def _reward(self, images: torch.Tensor, sl: slice) -> tuple:
         t0 = time.perf_counter()
-        with torch.no_grad():
-            scores = self.reward_fn(images, self.prompts[sl])
+        try:
+            with torch.no_grad():
+                scores = self.reward_fn(images, self.prompts[sl])
+        except UserError as e:
+            if self.epoch is None:
+                raise
+            raise UserError(f"{e} in epoch {self.epoch + 1}; {resume_hint()}") from None
         self.seconds.append(time.perf_counter() - t0)
         return images, scores
 
@@ -1150,6 +1212,15 @@ class Scorer:
             return parts[0]
         images = torch.cat([p[0] for p in parts])
         return images, {name: torch.cat([p[1][name] for p in parts]) for name in parts[0][1]}
+
+
+def resume_hint() -> str:
+    """How the current run goes on after a failure: its last checkpoint, or that there is none yet."""
+    run_dir = _RUN.get("run_dir")
+    last = Path(run_dir or ".") / "checkpoints" / "last"
+    if run_dir is None or not last.is_dir():
+        return "no checkpoint was saved yet"
+    return f"--resume {run_dir} goes on from its last checkpoint ({last.resolve().name})"
 
 
 @torch.no_grad()
@@ -1253,8 +1324,12 @@ def evaluate(
 def load_prompts(path: str) -> list:
     """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise UserError(f"prompt file {path!r} is a folder; pass a .txt or .jsonl file")
+    if not p.exists():
         raise UserError(f"prompt file {path!r} not found")
+    if not p.is_file():
+        raise UserError(f"prompt file {path!r} is not a regular file (a device or a pipe); pass a .txt or .jsonl file")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -1357,15 +1432,29 @@ SAFE_OVERRIDES = (
     "gradient_checkpointing",
     "overlap_reward",
     "compile",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "push_to_hub",
     "eval_num_steps",
     "eval_guidance_scale",
     "eval_noises",
 )
-NOT_RESTORED = ("device", "output_dir", "resume", "run_name")
+# where the run sends data or the model: only ever from this command line. A checkpoint is a file anyone can hand you,
+# and one that set --push-to-hub would publish the trained weights to any repo your token can write.
+REMOTE_TARGETS = ("track", "wandb_project_name", "wandb_entity", "push_to_hub")
+NOT_RESTORED = ("device", "output_dir", "resume", "run_name", *REMOTE_TARGETS)
+CHECKPOINT_KEYS = (  # what `save_state` writes (`save_checkpoint` adds format, algo; tensor_layout is read away)
+    "params",
+    "optimizer",
+    "snapshots",
+    "eval_ema",
+    "prompt_gen",
+    "rng",
+    "epoch",
+    "step",
+    "images_seen",
+    "args",
+    "sampler",
+    "format",
+    "algo",
+)
 _CLI = {"argv": None}  # the command line of the current `run_main`
 _RUN = {}  # the current run: "algo" (the script's name, stored in every checkpoint), "resume_record"
 _LOCKS = {}  # run folder -> open lock file, held until `release_run_locks`
@@ -1419,6 +1508,8 @@ def check_args(args, fresh: bool = True):
     for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip"):
         if name in fields and fields[name] is not None and fields[name] < 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
+    if fields.get("seed", 0) < 0:
+        raise UserError(f"--seed {args.seed}: must be >= 0")
     if fields.get("eval_num_steps") is not None and args.eval_num_steps <= 0:
         raise UserError(f"--eval-num-steps {args.eval_num_steps}: must be > 0")
     for name, value in fields.items():  # the snapshot/EMA decay schedules, `<snapshot>_decay_*` in the scripts (get_decay)
@@ -1450,6 +1541,7 @@ def check_args(args, fresh: bool = True):
     if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
         if not (model / "model_index.json").is_file():
             raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
+        check_model_folder(model, args.model)
         for name in ("resolution", "height", "width"):
             if fields.get(name) is not None:
                 check_resolution(model, fields[name], name)
@@ -1462,14 +1554,32 @@ def check_args(args, fresh: bool = True):
     if family is not None and family.check is not None:
         family.check(config, args)
     if fresh:
+        name = getattr(args, "exp_name", "x")
+        # the run folder is <output-dir>/<reward>__<exp-name>__...: a separator or ".." would put it elsewhere
+        if not name or "/" in name or os.sep in name or name in (".", "..") or "\0" in name:
+            raise UserError(f"--exp-name {name!r}: must be a plain name (no '/'), the run folder stays in --output-dir")
         out = Path(args.output_dir).expanduser()
         parent = out
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        if not parent.is_dir() or not writable(parent):
             raise UserError(
                 f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)"
             )
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be created in `folder`, found by creating (and removing) one: the mode bits that
+    os.access reads say nothing for root, nor on a root-squashed NFS or a read-only bind mount seen from outside."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".cleanflow-write-check-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def check_resolution(model: Path, resolution: int, name: str = "resolution"):
@@ -1493,6 +1603,12 @@ def check_resolution(model: Path, resolution: int, name: str = "resolution"):
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
         raise UserError(f"{name} {resolution} must be a multiple of {factor * patch}")
+    max_patches = transformer.get("pos_embed_max_size")  # SD3's learned position table: patches per side
+    if max_patches and resolution // (factor * patch) > max_patches:
+        raise UserError(
+            f"--{name} {resolution}: beyond the transformer's position embeddings ({max_patches} patches per side, "
+            f"at most {max_patches * factor * patch} pixels)"
+        )
 
 
 def given_flags(args) -> set:
@@ -1558,6 +1674,16 @@ def restore_args(args, saved: dict) -> dict:
     """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
     is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
     saved = upgrade_saved_args(saved)
+    hints = typing.get_type_hints(type(args))
+    unknown = sorted(set(saved) - set(hints))
+    if unknown:
+        raise UserError(
+            f"the checkpoint's settings include {', '.join(unknown[:3])}, which {_RUN.get('algo', 'this script')}.py lacks "
+            "(another cleanflow version, or an edited checkpoint)"
+        )
+    for name, value in saved.items():
+        if name not in NOT_RESTORED and not _fits(value, hints[name]):
+            raise UserError(f"the checkpoint's {name} is {repr(value)[:40]}; {_flag(name)} takes {_type_name(hints[name])}")
     given, overrides = given_flags(args), {}
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
@@ -1575,6 +1701,68 @@ def restore_args(args, saved: dict) -> dict:
     return overrides
 
 
+def _fits(value, hint) -> bool:
+    """Whether a JSON-like `value` (a checkpoint's setting) is of the Args field type `hint`."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:  # tyro.conf markers
+        return _fits(value, parts[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in parts)
+    if origin is typing.Literal:
+        return value in parts
+    if origin in (tuple, list) or hint in (tuple, list):
+        return isinstance(value, (tuple, list)) and (not parts or all(_fits(v, parts[0]) for v in value))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type no script uses today: not checked
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path):
+    """A checkpoint's plain fields before anything of the run is touched: known keys only, and counters that are
+    whole numbers in range, the epoch the one its folder is named after (a crafted epoch -5 would retrain from -5 and
+    overwrite epochs 1-3)."""
+    unknown = sorted(set(ckpt) - set(CHECKPOINT_KEYS))
+    if unknown:
+        raise UserError(
+            f"checkpoint {ckpt_dir}: unknown entries {', '.join(map(str, unknown[:3]))}; not a cleanflow checkpoint"
+        )
+    for key in ("epoch", "step", "images_seen"):
+        value = ckpt.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "epoch" else 0):
+            raise UserError(
+                f"checkpoint {ckpt_dir}: {key} is {value!r}, expected a whole number >= {1 if key == 'epoch' else 0}"
+            )
+    if ckpt_dir.name.startswith("epoch_") and ckpt_dir.name != f"epoch_{ckpt['epoch']:06d}":
+        raise UserError(f"checkpoint {ckpt_dir}: it says epoch {ckpt['epoch']}, its folder name another")
+    if not isinstance(ckpt.get("args"), dict):
+        raise UserError(f"checkpoint {ckpt_dir}: its settings (args) are missing")
+
+
+def clean_stale_temps(run_dir: Path):
+    """What a run killed while saving leaves in its folder: checkpoint temps, and the LoRA export's temp (an
+    interrupted `export_lora`); an export moved aside but not replaced is put back."""
+    doomed = [*(run_dir / "checkpoints").glob(".tmp-*"), *run_dir.glob(".lora.tmp*")]
+    if (run_dir / ".lora.old").is_dir():
+        if (run_dir / "lora").exists():
+            doomed.append(run_dir / ".lora.old")
+        else:
+            os.rename(run_dir / ".lora.old", run_dir / "lora")
+    for tmp in doomed:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
+
+
 def start_run(args, script_file: str) -> tuple:
     """The first call of every script's main: checks `args`, and for `--resume` finds and loads the checkpoint,
     checks it belongs to this script, restores the run's Args into `args` (see `restore_args`) and takes the run
@@ -1588,22 +1776,32 @@ def start_run(args, script_file: str) -> tuple:
         check_args(args, fresh=True)
         # the random suffix keeps runs started in the same second apart (Logger also creates the folder exclusively)
         args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
-        return Path(args.output_dir) / args.run_name, None
+        _RUN["run_dir"] = Path(args.output_dir) / args.run_name
+        return _RUN["run_dir"], None
     run_dir, ckpt_dir = find_checkpoint(args.resume)
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt.get("algo") != algo:
         raise UserError(
             f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py"
         )
+    check_checkpoint_fields(ckpt, ckpt_dir)
     overrides = restore_args(args, ckpt["args"])
     check_args(args, fresh=False)
     if args.num_epochs <= ckpt["epoch"]:
         raise UserError(f"{ckpt_dir} is at epoch {ckpt['epoch']}; pass --num-epochs > {ckpt['epoch']} to train on")
     args.run_name = run_dir.name
+    _RUN["checkpoint"], _RUN["run_dir"] = ckpt_dir, run_dir
     if int(os.environ.get("RANK", "0")) == 0:
+        if not writable(run_dir) or not writable(run_dir / "checkpoints"):
+            raise UserError(f"--resume {args.resume}: the run folder {run_dir} is not writable")
         lock_run(run_dir)
-        for tmp in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed while saving
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
+        clean_stale_temps(run_dir)
+        defaults = type(args)()
+        for name in REMOTE_TARGETS:  # never taken from the checkpoint: say what the run had, so the user can ask again
+            saved, now = ckpt["args"].get(name), getattr(args, name, None)
+            if hasattr(args, name) and saved not in (None, getattr(defaults, name)) and saved != now:
+                had = _flag(name) if saved is True else f"{_flag(name)} {saved}"
+                print(f"note: the run had {had}; a checkpoint never sets where data goes: pass it again", file=sys.stderr)
     _RUN["resume_record"] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "checkpoint": str(ckpt_dir),
@@ -1654,8 +1852,16 @@ class Logger:
         self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([H, W, 3] uint8 grid, captions, step)
         if not enabled:
             return
+        rng = rng_state()  # created after a resume restored the RNGs: whatever wandb or TensorBoard draws is given back
+        try:
+            self._start(args)
+        finally:
+            set_rng_state(rng)
+
+    def _start(self, args):
         from torch.utils.tensorboard import SummaryWriter
 
+        run_dir = self.run_dir
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         config["git_commit"] = git_commit()
         if getattr(args, "resume", None):
@@ -1691,6 +1897,7 @@ class Logger:
 
     def scalars(self, values: dict, step: int):
         if self.enabled:
+            check_run_folder(self.run_dir)
             for k, v in values.items():
                 self.writer.add_scalar(k, float(v), step)
                 self.last_scalars[k] = (float(v), step)
@@ -1702,6 +1909,7 @@ class Logger:
             return
         from PIL import Image
 
+        check_run_folder(self.run_dir)
         grid = captioned_grid(images, captions, ncol)
         self.writer.add_image(tag, grid, step, dataformats="HWC")
         self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
@@ -1720,14 +1928,29 @@ class Logger:
         release_run_locks()
 
 
+def check_run_folder(run_dir: Path):
+    """The run folder still there (TensorBoard would go on writing to its deleted event file, and a checkpoint would
+    create a new, half-empty folder): one line instead."""
+    if not (Path(run_dir) / "args.json").is_file():
+        raise UserError(f"the run folder {run_dir} was removed or moved while the run was going; stopped")
+
+
 def check_integrations(args):
     """The optional integrations' flags, checked before anything loads: `--track` needs wandb installed,
     `--push-to-hub` a valid repo id."""
     if getattr(args, "track", False):
         try:
-            import wandb  # noqa: F401
+            import wandb
         except ImportError:
             raise UserError("--track needs wandb: pip install -r requirements-track.txt")
+        # wandb.init would stop with its own traceback once the run folder exists; login(prompt=False) only looks
+        if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "dryrun", "disabled") and (
+            not wandb.login(prompt=False, verify=False) and wandb.setup().settings.mode not in ("offline", "disabled")
+        ):
+            raise UserError(
+                "--track: wandb has no login here; run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline "
+                "and upload later with `wandb sync`"
+            )
     repo_id = getattr(args, "push_to_hub", None)
     if repo_id:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -1789,26 +2012,32 @@ def export_lora(
     out_dir = Path(out_dir)
     tmp, old = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}"), out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
-    with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
-        state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-    type(pipe.pipe).save_lora_weights(
-        tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
-    )
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
-    if samples is None and logger is not None and "eval/images" in logger.last_images:
-        samples = logger.last_images["eval/images"][0]
-    if samples is not None:
-        from PIL import Image
+    try:
+        tmp.mkdir(parents=True)
+        params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
+            state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+        type(pipe.pipe).save_lora_weights(
+            tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
+        )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
+        if samples is None and logger is not None and "eval/images" in logger.last_images:
+            samples = logger.last_images["eval/images"][0]
+        if samples is not None:
+            from PIL import Image
 
-        if isinstance(samples, torch.Tensor):  # [3, H, W] in [0, 1]; the logger's grids are already uint8 [H, W, 3]
-            samples = (samples.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
-        Image.fromarray(samples).save(tmp / "samples.png")
-    evals = {k: v for k, v in (logger.last_scalars.items() if logger is not None else ()) if k.startswith("eval/")}
-    (tmp / "README.md").write_text(model_card(pipe, args, algo_doc, epoch, evals, weights_name, samples is not None))
+            if isinstance(samples, torch.Tensor):  # [3, H, W] in [0, 1]; the logger's grids are already uint8 [H, W, 3]
+                samples = (samples.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+            Image.fromarray(samples).save(tmp / "samples.png")
+        evals = {k: v for k, v in (logger.last_scalars.items() if logger is not None else ()) if k.startswith("eval/")}
+        (tmp / "README.md").write_text(model_card(pipe, args, algo_doc, epoch, evals, weights_name, samples is not None))
+    except Exception as e:  # a full disk, a removed folder: the previous export stays, nothing half-written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError) and not disk_full(e, out_dir.parent):
+            raise  # a bug, to see whole
+        raise UserError(f"could not write the LoRA export {out_dir} ({write_error_reason(e, out_dir.parent)})") from None
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
         os.replace(out_dir, old)
@@ -2088,7 +2317,7 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
         if old is not None and not target.exists():
             os.rename(old, target)
         if isinstance(e, Exception):  # OSError, torch's RuntimeError, SafetensorError: ENOSPC, EFBIG, EIO, ...
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            reason = write_error_reason(e, root)
             raise UserError(
                 f"could not write the checkpoint {target} ({reason}); nothing half-written is left, "
                 f"the previous checkpoint is intact"
@@ -2102,6 +2331,24 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
             doomed = root / f".tmp-old-{stale.name}.{os.getpid()}"
             os.rename(stale, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+def disk_full(e: BaseException, folder: Optional[Path] = None) -> bool:
+    """Whether a failed write ran out of space. torch.save says only "file write failed" and safetensors wraps the
+    OS error in its own text, so the free space of `folder`'s filesystem decides too (under 1 MiB left)."""
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or "StorageFull" in str(e):
+        return True
+    try:
+        stat = os.statvfs(folder) if folder is not None else None
+    except OSError:
+        return False
+    return stat is not None and stat.f_bavail * stat.f_frsize < 2**20
+
+
+def write_error_reason(e: BaseException, folder: Optional[Path] = None) -> str:
+    """One line on why a write failed, "no space left on device" whenever that is why (see `disk_full`)."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return f"no space left on device: {reason}" if disk_full(e, folder) and "No space left" not in reason else reason
 
 
 def find_checkpoint(resume: str) -> tuple:
@@ -2246,6 +2493,7 @@ def save_state(
     that users load (runs/<run>/lora)."""
     if not logger.enabled:
         return
+    check_run_folder(run_dir)
     save_checkpoint(
         Path(run_dir) / "checkpoints" / "last.pt",
         {
@@ -2279,15 +2527,64 @@ def restore_state(
     Returns (start_epoch, step, images_seen)."""
     if ckpt is None:
         return 0, 0, 0
-    load_trainable_state(named, ckpt["params"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for key, tensors in snapshots.items():
-        for t, saved in zip(tensors, ckpt["snapshots"][key]):
-            t.copy_(saved)
-    eval_ema.load(ckpt.get("eval_ema"))
-    prompt_gen.set_state(ckpt["prompt_gen"])
-    set_rng_state(ckpt["rng"])
+    where = f"checkpoint {_RUN.get('checkpoint', '')}".rstrip()
+    try:
+        check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+        load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        eval_ema.load(ckpt.get("eval_ema"))
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        set_rng_state(ckpt["rng"])
+    except UserError as e:
+        raise UserError(f"{where} does not fit this run: {e}; nothing was changed") from None
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"{where} does not fit this run ({type(e).__name__}: {reason}); nothing was changed") from None
     return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+
+def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator):
+    """Every tensor a resume copies into the run has the shape and dtype of what it replaces (a crafted or foreign
+    checkpoint would otherwise fail half-way through the copies, or later inside the optimizer)."""
+
+    def fits(saved, live, what: str):
+        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape or saved.dtype != live.dtype:
+            got = f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise UserError(f"{what} is {got}, expected {tuple(live.shape)} {live.dtype}")
+
+    params = ckpt.get("params")
+    if not isinstance(params, dict) or set(params) != set(named):
+        extra = sorted(set(params or {}) ^ set(named))[:2] if isinstance(params, dict) else []
+        raise UserError(f"its trainable weights are not this model's LoRA (e.g. {', '.join(extra) or 'none saved'})")
+    for name, p in named.items():
+        fits(params[name], p, name)
+    saved_opt, live_params = ckpt.get("optimizer"), [p for g in optimizer.param_groups for p in g["params"]]
+    if not isinstance(saved_opt, dict) or not isinstance(saved_opt.get("state"), dict):
+        raise UserError("its optimizer state is not an optimizer's state_dict")
+    for i, state in saved_opt["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(live_params) or not isinstance(state, dict):
+            raise UserError(f"its optimizer state has an entry {i!r} for no parameter")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # AdamW's moments; `step` is a scalar
+                fits(value, live_params[i], f"optimizer {key} of parameter {i}")
+    for key, tensors in snapshots.items():
+        saved = (ckpt.get("snapshots") or {}).get(key)
+        if not isinstance(saved, list) or len(saved) != len(tensors):
+            raise UserError(
+                f"its {key!r} snapshot has {len(saved) if isinstance(saved, list) else 0} tensors, not {len(tensors)}"
+            )
+        for t, v in zip(tensors, saved):
+            fits(v, t, f"the {key!r} snapshot")
+    saved_ema = ckpt.get("eval_ema")
+    if saved_ema is not None and eval_ema.shadow:
+        if not isinstance(saved_ema, list) or len(saved_ema) != len(eval_ema.shadow):
+            raise UserError("its eval EMA does not match the trainable weights")
+        for t, v in zip(eval_ema.shadow, saved_ema):
+            fits(v, t, "the eval EMA")
+    fits(ckpt.get("prompt_gen"), prompt_gen.get_state(), "the prompt generator's state")
 
 
 def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int):

@@ -73,8 +73,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
     overlap_reward: bool = True
-    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: sample the
-    whole local batch at once, then score it (same numbers)"""
+    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: score the
+    same micro-batches after sampling, in the main thread (bit-identical numbers: the model sees the same chunks)"""
     compile: bool = False
     """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
     once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
@@ -391,12 +391,12 @@ def main(args: Args):
         )
 
     # TRY NOT TO MODIFY: generators, resume
-    logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the run folder appears once every check passed
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
     start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+    logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
         common.save_state(
@@ -441,7 +441,7 @@ def main(args: Args):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
             cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
-            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch if args.overlap_reward else None)
+            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             with common.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,

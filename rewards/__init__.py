@@ -42,12 +42,16 @@ def parse_reward_spec(spec: str) -> Dict[str, float]:
             raise UserError(f"empty reward name in {spec!r}; available: {', '.join(REWARDS)}")
         if name not in REWARDS:
             raise UserError(f"unknown reward {name!r}; available: {', '.join(REWARDS)}")
+        if name in weights:  # one weight per reward: a second would silently replace the first
+            raise UserError(f"reward {name!r} is named twice in {spec!r}; give it one weight")
         try:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
             raise UserError(f"bad weight {weight!r} for reward {name!r} (expected a number, e.g. {name}:0.5)")
         if not math.isfinite(weights[name]):
             raise UserError(f"bad weight {weight!r} for reward {name!r} (expected a finite number, e.g. {name}:0.5)")
+        if weights[name] == 0:  # it would be computed every batch and change nothing: leave it out instead
+            raise UserError(f"bad weight {weight!r} for reward {name!r}: a zero weight trains nothing; leave the reward out")
     return weights
 
 
@@ -63,7 +67,13 @@ class MultiReward:
     def __call__(self, images: torch.Tensor, prompts) -> Dict[str, torch.Tensor]:
         out = {}
         for name, fn in self.fns.items():
-            value = (per_frame(fn) if images.dim() == 5 else fn)(images, list(prompts))  # video [B, F, 3, H, W]: per frame
+            try:
+                value = (per_frame(fn) if images.dim() == 5 else fn)(images, list(prompts))  # video [B, F, 3, H, W]: per frame
+            except UserError:
+                raise
+            except Exception as e:  # one line naming the reward (a hub model, a missing file, a bug in a custom reward)
+                reason = (str(e).strip().splitlines() or [""])[0][:160]
+                raise UserError(f"reward {name!r} failed ({type(e).__name__}: {reason})") from e
             if not isinstance(value, torch.Tensor) or value.shape != (images.shape[0],):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise UserError(f"reward {name!r} returned {shape}, expected a tensor of shape ({images.shape[0]},)")

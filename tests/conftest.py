@@ -133,7 +133,12 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
     return out, enc
 
 
-def run_script(argv, *, timeout: float = 300, check: bool = True, cwd=REPO, env=None, python: bool = True):
+# seconds after which a test's process is taken to hang and killed: a guard, never a speed requirement (the longest
+# test takes ~35 s on 2 idle cores, several times that on a busy or slower machine: a 300 s limit failed there)
+HANG_S = 1800
+
+
+def run_script(argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, env=None, python: bool = True):
     """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group.
 
     On a timeout the whole group is killed (a script, torchrun and its ranks alike: no orphan keeps running) and the

@@ -162,6 +162,7 @@ def test_old_log_probs_are_precomputed_under_the_sampling_policy(tmp_path):
     assert two["losses/approx_kl"][0] > 0 and 0.2 < two["losses/clipfrac"][0] <= 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward", ["jpeg_compressibility", "jpeg_incompressibility"])
 def test_awm_learns_in_both_directions(reward, tmp_path):
     """Opposite rewards from the same start: each must rise on its own prompts well beyond eval noise (a flipped loss

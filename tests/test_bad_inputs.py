@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
-from conftest import run_script
+from conftest import run_in_process, run_script
 
 import common
 from algos import awm, crd, dgpo, grpo, nft
 
 ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1".split()
+# what makes TINY valid for a script (GRPO's default 4 SDE steps do not fit the window of 4 steps): only the case's own
+# flag may be wrong
+VALID = {"grpo": ["--num-sde-steps", "1"]}
 LONG = "a red circle " + "and " * 2500  # 10,000 characters the reward cannot parse
 
 # flags -> a piece of the one error line; {tmp} is the test's folder. Shared checks: run for all five scripts.
@@ -61,7 +64,19 @@ SHARED = {
     "--num-frames 5": "StableDiffusion3Pipeline makes images, not videos",
     "--negative-prompt blurry": "--negative-prompt is used by CFG only",
     "--max-sequence-length 0": "--max-sequence-length 0: must be > 0",
+    "--reward shapes:1,shapes:2": "reward 'shapes' is named twice",
+    "--reward shapes:0": "a zero weight trains nothing",
+    "--seed=-1": "--seed -1: must be >= 0",
+    "--exp-name /../../../escaped": "--exp-name '/../../../escaped': must be a plain name",
+    "--exp-name ..": "--exp-name '..': must be a plain name",
+    "--resolution 512": "--resolution 512: beyond the transformer's position embeddings (16 patches per side",
+    "--model {tmp}/bad-json": "model_index.json is not valid JSON",
+    "--model {tmp}/flux-over-sd3": "names FluxPipeline, whose transformer is FluxTransformer2DModel, but the folder holds SD3",
+    # root passes os.access on any folder; only trying to write there shows /proc takes no run folder
+    "--output-dir /proc/cleanflow-runs": "cannot create a run folder there (/proc is not a writable folder)",
 }
+# the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
+NEEDS_MODEL = {"--lora-targets nosuchmodule"}
 # single-script checks (and shared ones run once: they cost a model load or are covered by the table above)
 SPECIFIC = [
     ("grpo", "--dynamics ODE", "Flow-GRPO needs per-step log-probs"),
@@ -81,8 +96,11 @@ SPECIFIC = [
     ("nft", "--train-prompts {tmp}/empty.txt", "has no prompts"),
     ("nft", "--train-prompts {tmp}/bad.jsonl", "bad.jsonl:1: expected a JSON object"),
     ("nft", "--train-prompts {tmp}/missing.txt", "not found"),
-    ("nft", "--train-prompts {tmp}", "not found"),  # a folder
+    ("nft", "--train-prompts {tmp}", "is a folder"),
+    ("nft", "--train-prompts /dev/null", "is not a regular file"),
+    ("nft", "--test-prompts {tmp}", "is a folder"),
     ("nft", "--test-prompts {tmp}/missing.txt", "not found"),
+    ("grpo", "--test-prompts /dev/null", "is not a regular file"),
     ("nft", "--reward shapes:heavy", "bad weight 'heavy'"),
     ("awm", "--num-train-timesteps 0", "--num-train-timesteps 0: must be > 0"),
 ]
@@ -97,6 +115,11 @@ def files(tmp_path):
     (tmp_path / "long.txt").write_text(f"a red circle\n{LONG}\n")
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
+    (tmp_path / "bad-json").mkdir()
+    (tmp_path / "bad-json" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",')
+    (tmp_path / "flux-over-sd3").mkdir()  # the tiny SD3 folder's index under FLUX.1's class (the parts are not read)
+    index = (Path(common.TINY_MODEL) / "model_index.json").read_text()
+    (tmp_path / "flux-over-sd3" / "model_index.json").write_text(index.replace("StableDiffusion3Pipeline", "FluxPipeline"))
     return tmp_path
 
 
@@ -110,6 +133,14 @@ def call(algo: str, argv: list, capsys) -> tuple:
     return e.value.code, capsys.readouterr().err
 
 
+def assert_error_is_last_line(rc, err, expected):
+    """For a run that stopped while training (its progress bars are on stderr too): one error line, the last."""
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert [x for x in lines if x.startswith("error")] == lines[-1:] and expected in lines[-1], lines[-3:]
+    return lines[-1]
+
+
 def assert_one_line(rc, err, expected):
     assert rc == 2 and "Traceback" not in err, err[-3000:]
     (line,) = [x for x in err.splitlines() if x.strip() and "Loading " not in x]  # from_pretrained's progress bars
@@ -119,9 +150,12 @@ def assert_one_line(rc, err, expected):
 
 
 @pytest.mark.parametrize("algo, flags, expected", CASES, ids=[f"{a}:{f}" for a, f, _ in CASES])
-def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files, capsys):
+def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files, capsys, monkeypatch):
+    loaded, load = [], common.load_pipeline
+    monkeypatch.setattr(common, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
     argv = [
         *TINY,
+        *VALID.get(algo, []),
         "--test-prompts",
         str(files / "test.txt"),
         "--output-dir",
@@ -131,6 +165,8 @@ def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files,
     rc, err = call(algo, argv, capsys)
     assert_one_line(rc, err, expected.format(tmp=files))
     assert not (files / "runs").exists() and not (files / "a-file").is_dir()
+    assert not list(files.parent.glob("escaped*")) and not list(Path("/proc").glob("cleanflow*"))
+    assert bool(loaded) == (flags in NEEDS_MODEL), "a check that needs no model ran after the model loaded"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,6 +213,36 @@ def _truncate(run):
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
 
 
+def _edit_state(edit):
+    """A damage function: `edit(state)` applied to the run's last state.pt, saved back as a crafted checkpoint would be."""
+
+    def damage(run):
+        path = (run / "checkpoints" / "last" / "state.pt").resolve()
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+
+    return damage
+
+
+def _edit_weights(edit):
+    """A damage function: `edit(tensors)` applied to the last checkpoint's safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    def damage(run):
+        path = (run / "checkpoints" / "last" / "weights.safetensors").resolve()
+        tensors = load_file(str(path))
+        edit(tensors)
+        save_file(tensors, str(path), metadata={"format": common.CHECKPOINT_FORMAT})
+
+    return damage
+
+
+def _first_param(tensors, change):
+    name = sorted(k for k in tensors if k.startswith("params/"))[0]
+    tensors[name] = change(tensors[name])
+
+
 RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piece of the one line
     "changed flag": ("nft", "--learning-rate 0.1", None, "--learning-rate is 0.003 in the run being resumed, 0.1 given"),
     "flag given at its default": ("nft", "--num-prompts 8", None, "--num-prompts is 2 in the run being resumed, 8 given"),
@@ -204,6 +270,38 @@ RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piec
         lambda run: torch.save({"epoch": 1}, run / "last.pt"),
         "a pickled checkpoint of an older cleanflow",
     ),
+    # a crafted epoch would retrain from there and overwrite the run's epoch folders
+    "negative epoch": ("nft", "", _edit_state(lambda st: st.update(epoch=-5)), "epoch is -5, expected a whole number >= 1"),
+    "epoch not its folder's": ("nft", "--num-epochs 9", _edit_state(lambda st: st.update(epoch=3)), "it says epoch 3"),
+    "float counter": ("nft", "", _edit_state(lambda st: st.update(images_seen=2.5)), "images_seen is 2.5"),
+    "unknown entry": ("nft", "", _edit_state(lambda st: st.update(hook="x")), "unknown entries hook"),
+    "unknown setting": ("nft", "", _edit_state(lambda st: st["args"].update(bogus=1)), "include bogus, which nft.py lacks"),
+    "setting of the wrong type": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["args"].update(num_steps="4")),
+        "the checkpoint's num_steps is '4'; --num-steps takes int",
+    ),
+    "setting outside its choices": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["args"].update(dynamics="Magic")),
+        "the checkpoint's dynamics is 'Magic'; --dynamics takes Literal",
+    ),
+    "setting out of range": ("nft", "", _edit_state(lambda st: st["args"].update(num_steps=0)), "--num-steps 0: must be > 0"),
+    "wrong-shaped weight": (
+        "nft",
+        "",
+        _edit_weights(lambda t: _first_param(t, lambda v: v.reshape(-1)[:-1].clone())),
+        "does not fit this run",
+    ),
+    "wrong dtype": (
+        "nft",
+        "",
+        _edit_weights(lambda t: _first_param(t, lambda v: v.double())),
+        "torch.float64, expected",
+    ),
+    "missing weight": ("nft", "", _edit_weights(lambda t: _first_param(t, lambda v: v[:0])), "does not fit this run"),
 }
 
 
@@ -295,3 +393,148 @@ def test_bad_cli_choice_exits_2(files):
 def test_saved_state_loads_without_pickle(nft_run):
     state = torch.load(nft_run / "checkpoints" / "last" / "state.pt", weights_only=True)
     assert state["algo"] == "nft" and state["args"]["num_prompts"] == 2 and sys.modules["common"] is common
+
+
+def test_a_checkpoint_never_sets_where_the_model_or_data_go(run_copy, capsys, monkeypatch):
+    """A crafted state.pt naming a hub repo, a wandb project/entity and --track: a plain --resume uploads nothing and
+    tracks nothing, says what the run had, and asks for it again. Also cleans the temps of a kill during the export."""
+    import huggingface_hub
+
+    _edit_state(
+        lambda st: st["args"].update(
+            push_to_hub="attacker/stolen-lora", track=True, wandb_project_name="theirs", wandb_entity="attacker"
+        )
+    )(run_copy)
+    (run_copy / ".lora.tmp4242").mkdir()  # what a kill inside export_lora leaves
+    (run_copy / ".lora.tmp4242" / "README.md").write_text("half")
+    (run_copy / ".lora.old").mkdir()
+    uploads = []
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda *a, **k: uploads.append(("create", a, k)))
+    monkeypatch.setattr(huggingface_hub, "upload_folder", lambda *a, **k: uploads.append(("upload", a, k)))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # had --track been restored, the run would stop: wandb missing
+    argv = ["--resume", str(run_copy), "--num-epochs", "2"]
+    args = tyro.cli(nft.Args, args=argv)
+    capsys.readouterr()
+    common.run_main(nft.main, args, argv=argv)
+    err = capsys.readouterr().err
+    assert uploads == [] and args.push_to_hub is None and args.track is False and args.wandb_entity is None
+    assert args.wandb_project_name == nft.Args.wandb_project_name
+    for flag in ("--push-to-hub attacker/stolen-lora", "--track;", "--wandb-project-name theirs", "--wandb-entity attacker"):
+        assert f"note: the run had {flag}" in err, err
+    assert common.load_checkpoint(run_copy)["epoch"] == 2
+    assert not list(run_copy.glob(".lora.*")) and (run_copy / "lora" / common.LORA_WEIGHTS).is_file()
+
+
+def test_a_reward_that_raises_names_itself_and_the_epoch_and_the_run_resumes(files, capsys, monkeypatch):
+    """A reward raising inside epoch 2 (in the worker thread): one line naming the reward and the epoch and how to go
+    on; the checkpoint of epoch 1 is whole, and --resume (the reward fixed) finishes the run."""
+    import rewards
+
+    (files / "train.txt").write_text("a blue square\nthree circles\n")
+    training_calls = []
+
+    def flaky(device):
+        def fn(images, prompts):
+            if prompts[0] in ("a blue square", "three circles"):
+                training_calls.append(len(prompts))
+                if len(training_calls) == 3:  # two chunks of 4 per epoch: the first chunk of epoch 2
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+            return images.mean((1, 2, 3))
+
+        return fn
+
+    monkeypatch.setitem(rewards.REWARDS, "flaky", flaky)
+    argv = [*TINY, "--num-train-timesteps", "1", "--num-epochs", "3", "--save-every", "1", "--eval-every", "10"]
+    argv += ["--reward", "flaky", "--train-prompts", str(files / "train.txt"), "--test-prompts", str(files / "test.txt")]
+    rc, err = call("nft", [*argv, "--output-dir", str(files / "runs")], capsys)
+    (run_dir,) = (files / "runs").iterdir()
+    line = assert_error_is_last_line(rc, err, "reward 'flaky' failed (RuntimeError: CUDA error: an illegal memory access was")
+    assert line.endswith(f"in epoch 2; --resume {run_dir} goes on from its last checkpoint (epoch_000001)"), line
+    assert common.load_checkpoint(run_dir)["epoch"] == 1
+    assert run_in_process(nft, ["--resume", run_dir]) == 0  # training_calls is past 3: the reward works now
+    assert common.load_checkpoint(run_dir)["epoch"] == 3
+
+
+def test_the_run_folder_removed_while_the_run_goes_is_one_line(files, capsys, monkeypatch):
+    import rewards
+
+    (files / "train.txt").write_text("a blue square\nthree circles\n")
+    calls = []
+
+    def remover(device):
+        def fn(images, prompts):
+            calls.append(1)
+            if len(calls) == 3:  # inside epoch 1's rollout: the user deletes the run
+                shutil.rmtree(next((files / "runs").iterdir()))
+            return images.mean((1, 2, 3))
+
+        return fn
+
+    monkeypatch.setitem(rewards.REWARDS, "remover", remover)
+    argv = [*TINY, "--num-train-timesteps", "1", "--num-epochs", "3", "--eval-every", "10", "--reward", "remover"]
+    argv += ["--train-prompts", str(files / "train.txt"), "--test-prompts", str(files / "test.txt")]
+    rc, err = call("nft", [*argv, "--output-dir", str(files / "runs")], capsys)
+    assert_error_is_last_line(rc, err, "was removed or moved while the run was going; stopped")
+    assert list((files / "runs").iterdir()) == []  # nothing re-created
+
+
+def test_sigterm_saves_then_exits_143(files):
+    """A scheduler's SIGTERM: the epoch finishes, a checkpoint is saved, and the exit code says "killed by SIGTERM"
+    (128 + 15), so Slurm or Kubernetes do not take the run for finished."""
+    import signal
+    import time
+
+    from conftest import HANG_S, kill_group, start_script
+
+    argv = ["algos/nft.py", *TINY, "--num-train-timesteps", "1", "--num-epochs", "50", "--save-every", "1"]
+    proc = start_script([*argv, "--eval-every", "100", "--test-prompts", files / "test.txt", "--output-dir", files / "runs"])
+    try:
+        state = None
+        while state is None:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            state = next(iter((files / "runs").glob("*/checkpoints/last/state.pt")), None)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=HANG_S)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
+    (run_dir,) = (files / "runs").iterdir()
+    epoch = common.load_checkpoint(run_dir)["epoch"]
+    assert 1 <= epoch < 50 and f"stopped before epoch {epoch}; continue with --resume {run_dir}" in out
+
+
+NO_SPACE = """
+set -e
+mount -t tmpfs -o size={size} tmpfs {out}
+exec {python} algos/nft.py {flags} --output-dir {out}/runs
+"""
+
+
+def test_a_full_disk_is_named(files):
+    """The run folder on a 400 KB tmpfs (a private mount in a user namespace): the run stops with one line that says
+    "no space left on device" (torch.save alone says only "file write failed")."""
+    if run_script(["unshare", "-rm", "true"], python=False, check=False).returncode != 0:
+        pytest.skip("needs `unshare -rm` (unprivileged user namespaces) to mount a small tmpfs")
+    (files / "full").mkdir()
+    flags = " ".join([*TINY, "--num-train-timesteps", "1", "--eval-every", "100", "--test-prompts", str(files / "test.txt")])
+    script = NO_SPACE.format(size="400k", out=files / "full", python=sys.executable, flags=flags)
+    out = run_script(["unshare", "-rm", "bash", "-c", script], python=False, check=False)
+    line = assert_error_is_last_line(out.returncode, out.stderr, "")
+    assert "no space left on device" in line.lower(), line
+
+
+def test_track_without_a_wandb_login_is_one_line(files):
+    """--track with wandb installed but no login (no API key, no netrc, not offline): one line before anything loads,
+    instead of wandb.init's traceback after the run folder exists."""
+    pytest.importorskip("wandb", reason="wandb is not installed (optional: pip install -r requirements-track.txt)")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))}
+    env.update(HOME=str(files), WANDB_DIR=str(files), OMP_NUM_THREADS="1")
+    argv = ["algos/nft.py", *TINY, "--track", "--test-prompts", files / "test.txt", "--output-dir", files / "runs"]
+    out = run_script(argv, check=False, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error")]
+    assert errors == [errors[-1]] and "--track: wandb has no login here" in errors[-1]
+    assert not (files / "runs").exists() and not (files / "wandb").exists()

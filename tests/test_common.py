@@ -663,8 +663,11 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
         return common.keyed_generators(0, 0, "rollout", indices=range(len(prompts)))
 
     full = common.sample(pipe.transformer, pipe.scheduler, cond, generator=gens(), **kw)
-    for chunk in (3, None):  # the worker thread on chunks of 3 (then 1); the whole batch after sampling
-        scorer = common.Scorer(pipe, toy_reward, prompts, chunk)
+    results = {}
+    # the worker thread on chunks of 3 (then 1); the same chunks scored after sampling (--no-overlap-reward); one chunk
+    for chunk, overlap in ((3, True), (3, False), (None, True)):
+        scorer = common.Scorer(pipe, toy_reward, prompts, chunk, overlap=overlap)
+        assert (scorer.pool is not None) == (overlap and chunk is not None)
         out = common.sample(pipe.transformer, pipe.scheduler, cond, generator=gens(), chunk=chunk, on_chunk=scorer, **kw)
         for name in ("latents", "sigmas", "trajectory", "log_probs", "sde_mask", "means"):
             torch.testing.assert_close(getattr(out, name), getattr(full, name), rtol=1e-5, atol=1e-5, msg=name)
@@ -674,7 +677,11 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
         assert torch.equal(
             scores["toy"], torch.cat([toy_reward(i, p)["toy"] for i, p in zip(images.split(3), [prompts[:3], prompts[3:]])])
         )
+        results[chunk, overlap] = (out, images, scores["toy"])
     assert torch.equal(out.latents, full.latents)  # chunk None is the path without a Scorer
+    (a, a_images, a_toy), (b, b_images, b_toy) = results[3, True], results[3, False]
+    assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("latents", "trajectory", "log_probs", "means"))
+    assert torch.equal(a_images, b_images) and torch.equal(a_toy, b_toy)
     with pytest.raises(ValueError, match="one generator per sample"):  # one stream cannot be cut into chunks
         common.sample(pipe.transformer, pipe.scheduler, cond, generator=torch.Generator(), chunk=2, **kw)
 
@@ -761,6 +768,7 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
     assert scorer.pool is None or scorer.pool._shutdown
 
 
+@pytest.mark.slow
 def test_compiled_blocks_give_the_eager_velocity_loss_and_gradients(random_pipeline_dir):
     """--compile (regional torch.compile of the transformer blocks): the training forward's velocity, the loss and the
     LoRA gradients match eager to float rounding; parameter names (what checkpoints store) are unchanged."""

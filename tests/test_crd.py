@@ -167,6 +167,7 @@ def _eval_curve(run_root, tag):
     return [e.value for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward", ["jpeg_compressibility", "jpeg_incompressibility"])
 def test_crd_learns_both_directions(reward, tmp_path):
     """Deterministic: 8 epochs on two prompts move the held-out reward up in either direction of the JPEG task,

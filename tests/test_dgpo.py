@@ -131,6 +131,7 @@ def _eval_curve(run_dir: Path, tag: str) -> list:
     return [e.value for e in ea.Scalars(tag)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward", ["jpeg_compressibility", "jpeg_incompressibility"])
 def test_dgpo_learns_both_directions(reward, tmp_path):
     """Deterministic on CPU: a few epochs of DGPO raise the held-out reward well past run-to-run noise in either

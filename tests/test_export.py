@@ -31,10 +31,15 @@ def load_algo(name: str):
     return module
 
 
+# --track's wandb is an optional extra (requirements-track.txt), not in the README's install: without it the run below
+# trains untracked and only the test of the wandb mirror is skipped
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One epoch of NFT on tiny-shapes, in-process, with --track (offline wandb) and --push-to-hub (upload faked); groups
-    of 4, since a group of 2 equal rewards gives NFT a zero gradient and the LoRA would not move.
+    """One epoch of NFT on tiny-shapes, in-process, with --track (offline wandb, when installed) and --push-to-hub
+    (upload faked); groups of 4, since a group of 2 equal rewards gives NFT a zero gradient and the LoRA would not move.
     The export is wrapped to keep the training pipeline, whose transformer holds the trained LoRA at the end."""
     import huggingface_hub
 
@@ -50,7 +55,7 @@ def trained(tmp_path_factory):
         num_epochs=1,
         test_prompts=str(tmp / "test.txt"),
         output_dir=str(tmp / "runs"),
-        track=True,
+        track=HAS_WANDB,
         wandb_project_name="test",
         push_to_hub="someone/tiny-lora",
     )
@@ -296,6 +301,7 @@ def read_wandb_history(path: Path) -> list:
 
 
 def test_track_mirrors_the_tensorboard_scalars_to_an_offline_wandb_run(trained):
+    pytest.importorskip("wandb", reason="wandb is not installed (optional: pip install -r requirements-track.txt)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (run_file,) = trained.tmp.glob("wandb/offline-run-*/run-*.wandb")

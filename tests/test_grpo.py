@@ -57,6 +57,7 @@ def test_policy_gradient_raises_log_prob_of_positive_samples():
     assert new[0] > old[0] and new[1] < old[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward", ["jpeg_compressibility", "jpeg_incompressibility"])
 def test_grpo_learns_both_directions(reward, tmp_path):
     """Deterministic: 12 epochs on two prompts raise the held-out reward in either direction of the JPEG task."""

@@ -384,7 +384,9 @@ def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(fami
         max_sequence_length=16,
         complex_human_instruction=models.sana.instruction(pipe.pipe),
     )
-    torch.testing.assert_close(neg, ref, rtol=0, atol=0)
+    # we encode "" once (a batch of 1) and the pipeline twice (a batch of 2): a CPU kernel may round the two batch
+    # sizes apart in the last bits (bit-identical here, not on every CPU); the mask is integers and exact
+    torch.testing.assert_close(neg, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mask, ref_mask, rtol=0, atol=0)
     as_prompt = enc([""])[0][0]  # as a prompt "" gets the instruction: other embeddings of the same shape
     assert as_prompt.shape == neg[0].shape and (as_prompt - neg[0]).abs().max() > 1e-3

@@ -156,6 +156,7 @@ def _eval_curve(run_dir, tag):
     return [e.value for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_it_learns_jpeg_compressibility(tmp_path):
     """8 short epochs on two prompts: the JPEG compressibility of 8 eval images (fixed noise) rises by a margin far above
     noise (seed 1: -0.70 -> -0.44, seeds 2 and 3 alike; with r and 1 - r swapped in the loss it falls to -1.23)."""
