@@ -341,6 +341,8 @@ def main(args: Args):
             f"micro_batch ({args.micro_batch}) must hold whole groups (a multiple of group_size {args.group_size}): "
             "the preference weight sums over a whole group"
         )
+    if args.num_train_timesteps > args.num_steps:  # the exact window (--timestep-range) is checked once sigmas exist
+        draw_timesteps(args.num_steps, args.num_train_timesteps, torch.Generator())
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:

@@ -322,6 +322,11 @@ def main(args: Args):
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.nft_beta <= 0:
         raise common.UserError(f"nft_beta ({args.nft_beta}) must be > 0: the loss is divided by it")
+    if args.timesteps_per_image and args.num_train_timesteps > args.num_steps:  # the window is checked once sigmas exist
+        raise common.UserError(
+            f"--num-train-timesteps {args.num_train_timesteps}: --timesteps-per-image draws distinct indices, and only "
+            f"{args.num_steps} schedule indices exist"
+        )
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
