@@ -5,6 +5,7 @@ rewards: `--reward http://a:8000/ocr:1.0,http://b:8001/pickscore:0.5`). The wire
 Optional dependencies (FastAPI + uvicorn): `pip install -r rewards/requirements-server.txt`.
 """
 
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -104,9 +105,16 @@ def main(args: Args):
         what = f"unknown reward {unknown[0]!r}" if unknown else f"a reward named twice in {args.reward!r}"
         raise UserError(f"{what}; available: {', '.join(REWARDS)}")
     device = check_device(args.device)
+    # the port is taken before the reward models load, so that one in use fails at once, in one line
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server takes its port back at once
+    try:
+        sock.bind((args.host, args.port))
+    except (OSError, OverflowError) as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({getattr(e, 'strerror', None) or e})")
     fns = {name: REWARDS[name](device) for name in names}
     print(f"serving {', '.join(names)} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(build_app(fns, device), host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.Server(uvicorn.Config(build_app(fns, device), log_level="warning", access_log=False)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -332,3 +332,16 @@ def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
         kill_group(server)
         server.communicate()
     assert_same_state(common.load_checkpoint(local), common.load_checkpoint(run_dir), "grpo")
+
+
+def test_server_bad_inputs_are_one_line(servers):
+    """An unknown reward, a reward named twice, a port in use: one line, exit code 2, before any model loads."""
+    port = servers().rsplit(":", 1)[1]
+    for flags, message in [
+        (["--reward", "nosuch"], "error: unknown reward 'nosuch'; available: shapes, "),
+        (["--reward", "ocr,ocr"], "error: a reward named twice in 'ocr,ocr'; available: shapes, "),
+        (["--reward", "ocr", "--port", port], f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"),
+    ]:
+        out = run_script(["-m", "rewards.server", *flags], check=False, timeout=120)
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
