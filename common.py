@@ -1775,7 +1775,9 @@ def start_run(args, script_file: str) -> tuple:
     if not args.resume:
         check_args(args, fresh=True)
         # the random suffix keeps runs started in the same second apart (Logger also creates the folder exclusively)
-        args.run_name = f"{args.reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
+        # a reward server's URL (http://host:8000/ocr) names a folder without its slashes: http_host:8000_ocr
+        reward = args.reward.replace("://", "_").replace("/", "_")
+        args.run_name = f"{reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
         _RUN["run_dir"] = Path(args.output_dir) / args.run_name
         return _RUN["run_dir"], None
     run_dir, ckpt_dir = find_checkpoint(args.resume)

@@ -100,7 +100,8 @@ class Args:
     """diffusers SD3-family pipeline: a local folder or a hub id"""
     reward: str = "shapes_clean"
     """reward name or weighted list, e.g. "shapes_clean:1.0,jpeg_compressibility:0.1" (shapes_clean: the tiny-shapes
-    checker with extra objects penalised; "shapes" is the GenEval-style one that RL learns to hack, see rewards/shapes.py)"""
+    checker with extra objects penalised; "shapes" is the GenEval-style one that RL learns to hack, see rewards/shapes.py);
+    a reward server's http://HOST:PORT/name stands for a name (docs/reward_server.md)"""
     train_prompts: str = common.TRAIN_PROMPTS
     """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
     test_prompts: str = common.TEST_PROMPTS

@@ -11,6 +11,7 @@ from typing import Callable, Dict, Sequence
 import torch
 
 from common import UserError
+from rewards import remote
 from rewards.video import per_frame
 
 
@@ -34,14 +35,18 @@ REWARDS: Dict[str, Callable] = {
 
 
 def parse_reward_spec(spec: str) -> Dict[str, float]:
-    """ "a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0."""
+    """ "a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0. A reward server's URL stands for a name
+    (`http://host:8000/ocr:0.5`; see rewards/remote.py)."""
     weights = {}
     for part in spec.split(","):
-        name, _, weight = part.strip().partition(":")
+        if remote.is_url(part.strip()):  # a reward server: http://host:port[/name][:weight]
+            name, weight = remote.split_weight(part.strip())
+        else:
+            name, _, weight = part.strip().partition(":")
         if not name:
             raise UserError(f"empty reward name in {spec!r}; available: {', '.join(REWARDS)}")
-        if name not in REWARDS:
-            raise UserError(f"unknown reward {name!r}; available: {', '.join(REWARDS)}")
+        if name not in REWARDS and not remote.is_url(name):
+            raise UserError(f"unknown reward {name!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]")
         if name in weights:  # one weight per reward: a second would silently replace the first
             raise UserError(f"reward {name!r} is named twice in {spec!r}; give it one weight")
         try:
@@ -59,8 +64,15 @@ class MultiReward:
     """Calls each reward once per batch and checks its output; `total` is the weighted sum."""
 
     def __init__(self, weights: Dict[str, float], device):
-        self.weights = weights
-        self.fns = {name: REWARDS[name](device) for name in weights}
+        fns = {key: remote.remote(key) if remote.is_url(key) else REWARDS[key](device) for key in weights}
+        # a served reward is logged under its own name, so a run through a server reports what the local run reports
+        names = {key: getattr(fn, "reward_name", key) for key, fn in fns.items()}
+        for key, name in names.items():
+            twice = [k for k in names if names[k] == name and k != key]
+            if twice:
+                raise UserError(f"reward {name!r} is given twice ({key} and {twice[0]}); give each reward once")
+        self.weights = {names[key]: w for key, w in weights.items()}
+        self.fns = {names[key]: fn for key, fn in fns.items()}
         # every reward may run in two threads at once (common.Scorer then scores the last chunks in two threads)
         self.thread_safe = all(getattr(fn, "thread_safe", False) for fn in self.fns.values())
 

@@ -1,0 +1,351 @@
+"""The reward server (rewards/server.py) and its client (rewards/remote.py) against real server processes on 127.0.0.1:
+served scores equal the local reward's, a training run through a server equals the local run bit for bit in every
+script, several servers combine by weighted sum and GDPO, faults (down, slow, HTML, wrong length, NaN) stop with one
+line, and a server killed mid-run stops the run cleanly, which then resumes exactly once the server is back."""
+
+import json
+import math
+import socket
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import kill_group, run_script, start_script
+from test_algos import FLAGS, _wait_for_checkpoint, assert_same_state, script_argv, write_prompts
+from test_ocr import render as render_word
+
+import common
+from common import UserError
+from rewards import REWARDS, load_rewards, parse_reward_spec, remote
+
+SERVED = "jpeg_compressibility,shapes_clean,ocr"
+TEXT_TRAIN = ['a sign that says "YK"', 'the word "ZPW"', 'a label with the text "AV"']  # tiny-text's own prompts
+TEXT_TEST = ['a sign that says "PBJ"', 'the word "RNKR"']
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(rewards: str, port: int):
+    """`python -m rewards.server` serving `rewards` on 127.0.0.1:port, once it answers (at most 120 s of start-up)."""
+    for package in ("fastapi", "uvicorn"):  # the server's optional extra; the client needs nothing beyond the stdlib
+        pytest.importorskip(package, reason="the reward server needs pip install -r rewards/requirements-server.txt")
+    proc = start_script(["-m", "rewards.server", "--reward", rewards, "--port", port, "--device", "cpu"])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            kill_group(proc)
+            pytest.fail(f"the reward server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                if json.loads(r.read())["rewards"] == rewards.split(","):
+                    return proc
+        except OSError:
+            time.sleep(0.2)
+    kill_group(proc)
+    pytest.fail("the reward server did not answer within 120 s")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """A factory of reward servers on free ports (rewards -> base URL), each started once; all stopped at the end."""
+    for package in ("fastapi", "uvicorn"):  # the server's optional extra; the client needs nothing beyond the stdlib
+        pytest.importorskip(package, reason="the reward server needs pip install -r rewards/requirements-server.txt")
+    procs, urls = [], {}
+
+    def get(rewards: str = SERVED) -> str:
+        if rewards not in urls:
+            port = free_port()
+            procs.append(start_server(rewards, port))
+            urls[rewards] = f"http://127.0.0.1:{port}"
+        return urls[rewards]
+
+    yield get
+    for proc in procs:
+        kill_group(proc)
+        proc.communicate()
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """A real HTTP server that says it serves the rewards below, passes their prompt checks, and then answers their
+    scoring with what their name says; a GET of anything but / is a web page (a URL pointing at some other web
+    server)."""
+
+    served = ["html", "short", "nan", "strings", "error", "slow"]
+
+    def do_GET(self):
+        if self.path == "/":
+            self.reply(200, "application/json", json.dumps({"version": 1, "rewards": self.served}))
+        else:
+            self.reply(200, "text/html", "<!DOCTYPE html>\n<html><body><h1>Welcome to nginx!</h1></body></html>")
+
+    def do_POST(self):
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
+        name = self.path.strip("/")
+        if name.endswith("/check"):  # the prompt check before the model loads passes
+            self.reply(200, "application/json", "{}")
+        elif name == "html":
+            self.reply(200, "text/html", "<html><body>502 Bad Gateway</body></html>")
+        elif name == "short":
+            self.reply(200, "application/json", json.dumps({"scores": [0.5] * (n - 1)}))
+        elif name == "nan":
+            self.reply(200, "application/json", json.dumps({"scores": [0.5] * (n - 1) + [math.nan]}))
+        elif name == "strings":
+            self.reply(200, "application/json", json.dumps({"scores": ["0.5"] * n}))
+        elif name == "error":
+            self.reply(500, "application/json", json.dumps({"detail": "CUDA out of memory"}))
+        elif name == "slow":
+            time.sleep(3)
+            self.reply(200, "application/json", json.dumps({"scores": [0.5] * n}))
+
+    def reply(self, status: int, kind: str, body: str):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def misbehaving():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the client against the server, in this process
+# ----------------------------------------------------------------------------------------------------------------
+def test_served_scores_equal_local(servers):
+    """Through the server: OCR and JPEG (which quantise to 8 bits themselves) give the local scores bit for bit on
+    float images; `shapes_clean` (float pixels) gives the local scores of the images rounded to 8 bits."""
+    from test_rewards import blur, render
+
+    base = servers()
+    gen = torch.Generator().manual_seed(0)
+    words = ["cat", "OCR", "hello", "flow"]
+    images = torch.stack([render_word(w, 64) for w in words])
+    images = (images + 0.01 * torch.randn(images.shape, generator=gen)).clamp(0, 1)  # off the 8-bit grid
+    prompts = [f'a sign that says "{w}"' for w in words]
+    ocr = remote.remote(f"{base}/ocr")(images, prompts)
+    assert torch.equal(ocr, REWARDS["ocr"]("cpu")(images, prompts)) and ocr.sum() > 0
+    jpeg = remote.remote(f"{base}/jpeg_compressibility")(images, prompts)
+    assert torch.equal(jpeg, REWARDS["jpeg_compressibility"]("cpu")(images, prompts))
+
+    scenes = torch.cat([render(("red", "circle", 20, 30, 12)), render(("blue", "square", 40, 30, 10))] * 2)
+    scenes = blur(scenes, 0.7)  # float pixels between the 8-bit levels
+    captions = ["a red circle", "a blue square", "a blue square", "a red circle"]
+    served = remote.remote(f"{base}/shapes_clean")(scenes, captions)
+    local = REWARDS["shapes_clean"]("cpu")((scenes * 255).round() / 255, captions)
+    assert torch.equal(served, local) and served.tolist()[:2] == [1.0, 1.0] and served.tolist()[2:] == [0.0, 0.0]
+
+
+def test_load_rewards_names_a_served_reward_by_its_name(servers):
+    """A URL reward is logged under the served name (so a run reports what the local run reports, eval metrics
+    included); a URL without a name takes the server's only reward; a reward given twice is refused."""
+    base = servers()
+    multi = load_rewards(f"{base}/shapes_clean:1.0,{base}/jpeg_compressibility:0.1", "cpu", ["a red circle"])
+    assert multi.weights == {"shapes_clean": 1.0, "jpeg_compressibility": 0.1}
+    from test_rewards import render
+
+    images = torch.cat([render(("red", "circle", 20, 30, 12))] * 2)
+    scores = multi.evaluate(images, ["a red circle"] * 2)
+    assert {"shapes_clean", "jpeg_compressibility", "shapes_exact", "objects_extra"} <= set(scores)
+    assert torch.equal(multi.total(scores), scores["shapes_clean"] + 0.1 * scores["jpeg_compressibility"])
+    with pytest.raises(UserError, match=r"serves jpeg_compressibility, shapes_clean, ocr; name one: .*/jpeg"):
+        load_rewards(base, "cpu")
+    with pytest.raises(UserError, match="reward 'shapes_clean' is given twice"):
+        load_rewards(f"shapes_clean,{base}/shapes_clean", "cpu")
+    with pytest.raises(UserError, match="does not serve 'pickscore'; it serves jpeg_compressibility, shapes_clean, ocr"):
+        load_rewards(f"{base}/pickscore", "cpu")
+    with pytest.raises(UserError, match=r"/ocr/check: HTTP 422: the ocr reward needs the text to write in double quotes"):
+        load_rewards(f"{base}/ocr", "cpu", ["a red circle"])
+
+
+def test_reward_spec_with_urls():
+    assert parse_reward_spec("http://h:8000/ocr:0.5,shapes") == {"http://h:8000/ocr": 0.5, "shapes": 1.0}
+    assert parse_reward_spec("http://h:8000") == {"http://h:8000": 1.0}  # the port is not a weight
+    assert parse_reward_spec("http://h:8000:2,https://[::1]:9/x:3") == {"http://h:8000": 2.0, "https://[::1]:9/x": 3.0}
+    for spec, message in [
+        ("http://user:secret@h:8000/ocr", "holds credentials"),
+        ("http://h:0.5", "bad reward server URL"),
+        ("http://:8000/ocr", "bad reward server URL"),
+        ("http://h:8000/a/b", "bad reward server URL"),
+        ("http://h:8000/ocr?key=1", "bad reward server URL"),
+        ("http://h:8000/ocr:heavy", "bad weight 'heavy'"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            parse_reward_spec(spec)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("html", r"/html: the answer is not JSON \(text/html\): <html><body>502 Bad Gateway"),
+        ("short", r"/short: 3 scores for 4 images"),
+        ("nan", r"/nan: NaN or inf for 1 of 4 images"),
+        ("strings", r"/strings: expected \{'scores': \[numbers\]\}"),
+        ("error", r"/error: HTTP 500: CUDA out of memory"),
+        ("slow", r"/slow: no answer within 0.5 s \(3 tries\)"),
+    ],
+)
+def test_garbage_answers_are_one_line(misbehaving, name, message):
+    fn = remote.remote(f"{misbehaving}/{name}", timeout=0.5)
+    with pytest.raises(UserError, match=message):
+        fn(torch.rand(4, 3, 8, 8), ["a red circle"] * 4)
+
+
+def test_down_or_foreign_server_is_one_line(misbehaving):
+    url = f"http://127.0.0.1:{free_port()}/ocr"
+    with pytest.raises(UserError, match=r"ConnectionRefusedError.*\(3 tries\); is `python -m rewards.server` running"):
+        remote.remote(url)
+    with pytest.raises(UserError, match=r"the answer is not JSON \(text/html\): <!DOCTYPE html> <html>"):
+        remote._request(f"{misbehaving}/some/page", None, 1.0)
+
+
+def test_server_refuses_bad_requests(servers):
+    """The server's own checks: images that are not PNGs, or not as many as the prompts, are a 422 with a reason."""
+    base = servers()
+    for payload, message in [
+        ({"prompts": ["a"], "images": ["not base64 png"]}, "the images are not base64 PNGs"),
+        ({"prompts": ["a", "b"], "images": remote.png_base64(torch.rand(1, 3, 8, 8))}, "1 images for 2 prompts"),
+    ]:
+        with pytest.raises(UserError, match=f"HTTP 422: {message}"):
+            remote._request(f"{base}/jpeg_compressibility", payload, 10.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training runs through servers
+# ----------------------------------------------------------------------------------------------------------------
+def scalars(run_dir: Path) -> dict:
+    """Every logged scalar but the timings: {tag: [values as float.hex, so that NaN equals NaN]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith(("charts/", "losses/", "eval/")) and "per_sec" not in t]
+    return {t: [float(e.value).hex() for e in acc.Scalars(t)] for t in tags if not t.startswith("charts/seconds")}
+
+
+def run_pair(algo, prompts, tmp_path, local_reward, served_reward, *flags):
+    """The same tiny run with a local and a served reward -> the two run folders."""
+    dirs = []
+    for label, reward in (("local", local_reward), ("served", served_reward)):
+        run_script(script_argv(algo, prompts, tmp_path / label, "--reward", reward, *flags))
+        (run_dir,) = (tmp_path / label).iterdir()
+        dirs.append(run_dir)
+    return dirs
+
+
+@pytest.mark.parametrize("algo", sorted(FLAGS))
+def test_run_through_server_equals_local(algo, servers, tmp_path):
+    """Two epochs of every script scored through the server end bit-identical to the local run: weights, optimizer,
+    every logged reward, loss and eval metric."""
+    prompts = write_prompts(tmp_path)
+    local, served = run_pair(
+        algo, prompts, tmp_path, "jpeg_compressibility", f"{servers()}/jpeg_compressibility", "--num-epochs", 2
+    )
+    a, b = common.load_checkpoint(local), common.load_checkpoint(served)
+    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did train
+    assert_same_state(a, b, algo)
+    logged = scalars(local)
+    assert logged["charts/jpeg_compressibility"] and logged["eval/jpeg_compressibility"]
+    assert scalars(served) == logged
+    assert b["args"]["reward"] == f"{servers()}/jpeg_compressibility"  # what a resume reconnects to
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "gdpo"])
+def test_two_servers_combine_like_local_rewards(aggregation, servers, tmp_path):
+    """OCR and JPEG, each on its own server, weighted and aggregated (sum or GDPO) as the same local rewards are, on
+    tiny-text: the same epoch bit for bit."""
+    (tmp_path / "train.txt").write_text("\n".join(TEXT_TRAIN) + "\n")
+    (tmp_path / "test.txt").write_text("\n".join(TEXT_TEST) + "\n")
+    ocr, jpeg = servers("ocr"), servers("jpeg_compressibility")
+    flags = ["--model", "assets/tiny-text", "--num-epochs", 1, "--advantage-aggregation", aggregation]
+    local, served = run_pair("nft", tmp_path, tmp_path, "ocr:1.0,jpeg_compressibility:0.5", f"{ocr}:1.0,{jpeg}:0.5", *flags)
+    assert_same_state(common.load_checkpoint(local), common.load_checkpoint(served), "nft")
+    logged = scalars(local)
+    assert {"charts/ocr", "charts/jpeg_compressibility", "eval/ocr", "eval/ocr_strict"} <= set(logged)
+    assert scalars(served) == logged
+
+
+def test_server_down_stops_the_run_with_one_line(misbehaving, tmp_path):
+    """A server that is not there: one line before the model loads, nothing written. A server that answers HTML once
+    the run trains: one line, and no checkpoint of the half-scored epoch."""
+    prompts = write_prompts(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}/jpeg_compressibility"
+    out = run_script(script_argv("grpo", prompts, tmp_path / "down", "--reward", url), check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: reward server {url[: url.rfind('/')]}/: Connection")
+    assert not (tmp_path / "down").exists()
+
+    out = run_script(script_argv("grpo", prompts, tmp_path / "html", "--reward", f"{misbehaving}/html"), check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    html = "<html><body>502 Bad Gateway</body></html>"
+    assert (
+        out.stderr.strip().splitlines()[-1]
+        == f"error: reward server {misbehaving}/html: the answer is not JSON (text/html): {html}"
+    )
+    assert not list((tmp_path / "html").glob("*/checkpoints/*"))
+
+
+def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
+    """The server is killed once the run has saved epoch 1: the run stops with one line at its next reward call (after
+    its bounded retries) and keeps its last checkpoint; the server restarted on the same port, `--resume` reconnects
+    (the URL comes from the checkpoint's args) and ends bit-identical to an uninterrupted local run."""
+    prompts = write_prompts(tmp_path)
+    epochs = 4
+    run_script(script_argv("grpo", prompts, tmp_path / "local", "--reward", "jpeg_compressibility", "--num-epochs", epochs))
+    (local,) = (tmp_path / "local").iterdir()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/jpeg_compressibility"
+    server = start_server("jpeg_compressibility", port)
+    try:
+        proc = start_script(script_argv("grpo", prompts, tmp_path / "served", "--reward", url, "--num-epochs", epochs))
+        try:
+            run_dir = _wait_for_checkpoint(proc, tmp_path / "served", 1)
+            kill_group(server)
+            server.communicate()
+            _, err = proc.communicate(timeout=240)
+        finally:
+            kill_group(proc)
+        assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(f"error: reward server {url}: ")
+        assert "(3 tries)" in err.strip().splitlines()[-1]
+        stopped_at = common.load_checkpoint(run_dir)["epoch"]
+        assert 1 <= stopped_at < epochs
+
+        server = start_server("jpeg_compressibility", port)
+        run_script(["algos/grpo.py", "--resume", run_dir])
+    finally:
+        kill_group(server)
+        server.communicate()
+    assert_same_state(common.load_checkpoint(local), common.load_checkpoint(run_dir), "grpo")
+
+
+def test_server_bad_inputs_are_one_line(servers):
+    """An unknown reward, a reward named twice, a port in use: one line, exit code 2, before any model loads."""
+    port = servers().rsplit(":", 1)[1]
+    for flags, message in [
+        (["--reward", "nosuch"], "error: unknown reward 'nosuch'; available: shapes, "),
+        (["--reward", "ocr,ocr"], "error: a reward named twice in 'ocr,ocr'; available: shapes, "),
+        (["--reward", "ocr", "--port", port], f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"),
+    ]:
+        out = run_script(["-m", "rewards.server", *flags], check=False, timeout=120)
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
