@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import distributed  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 
@@ -369,10 +371,10 @@ def update_ema(ema, params, decay: float):
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
-    run_dir, ckpt = common.start_run(args, __file__)
-    dist = common.setup_distributed(args.device)
+    run_dir, ckpt = run.start_run(args, __file__)
+    dist = distributed.setup_distributed(args.device)
     device = dist.device
-    common.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+    run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.centering == "group" and args.micro_batch % args.group_size:
@@ -385,11 +387,11 @@ def main(args: Args):
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
     total = args.num_prompts * args.group_size  # images per epoch, all ranks together
-    per_rank_step = common.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
+    per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
     # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
-    local_idx = common.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
+    local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
     if dist.is_main:
         print(
             f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
@@ -401,10 +403,10 @@ def main(args: Args):
     # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
     train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
     rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
-    pipe = common.load_pipeline(
+    pipe = models.load_pipeline(
         args.model,
         device,
-        common.DTYPES[args.base_dtype],
+        models.DTYPES[args.base_dtype],
         args.resolution,
         height=args.height,
         width=args.width,
@@ -412,14 +414,14 @@ def main(args: Args):
     )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
-    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    params = models.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    common.check_same_on_all_ranks(params)
+    distributed.check_same_on_all_ranks(params)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(transformer)
+        models.enable_gradient_checkpointing(transformer)
     if args.compile:
-        common.compile_transformer(transformer)
+        models.compile_transformer(transformer)
     encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
     if args.offload_text_encoders:
         encoder.precompute(train_prompts + test_prompts)
@@ -443,12 +445,12 @@ def main(args: Args):
     # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = common.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
-    start_epoch, step, images_seen = common.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-    logger = common.Logger(run_dir, args, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+    eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
+    start_epoch, step, images_seen = run.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+    logger = run.Logger(run_dir, args, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
 
     def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
-        common.save_state(
+        run.save_state(
             run_dir,
             args,
             pipe,
@@ -464,7 +466,7 @@ def main(args: Args):
             images_seen=images_seen,
         )
 
-    timer, stop = common.Timer(), common.GracefulStop()
+    timer, stop = run.Timer(), run.GracefulStop()
     stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
@@ -479,9 +481,7 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(
-                common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
-            )
+            pbar.set_postfix(run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen))
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -491,7 +491,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
-            with common.swapped_weights(params, sampling_snapshot):
+            with models.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
@@ -513,7 +513,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
-            scores = common.gather_scores(local_scores, total, args.grad_steps_per_epoch)
+            scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
             adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )
@@ -537,12 +537,12 @@ def main(args: Args):
                     xt = (1 - s) * x0[sl] + s * eps
                     mb_cond = cond[sl]
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
-                        with common.reference_model(transformer):
+                        with models.reference_model(transformer):
                             v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg) if args.kl_beta > 0 else None
                             if not args.use_old_for_loss:  # implicit reward relative to the base model itself
                                 v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.use_old_for_loss:
-                            with common.swapped_weights(params, old_snapshot):
+                            with models.swapped_weights(params, old_snapshot):
                                 v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                     batches.append((sl, s, xt, eps - x0[sl], v_anchor, v_ref))
 
@@ -566,7 +566,7 @@ def main(args: Args):
                 # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
                 k += 1
                 if k % per_step == 0:
-                    grad_norm = common.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
+                    grad_norm = run.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
                     if grad_norm is not None:
                         step += 1
                         eval_ema.update(step)
@@ -600,10 +600,10 @@ def main(args: Args):
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
-            **{f"losses/{k}": common.nanmean(v) for k, v in stats.items()},
+            **{f"losses/{k}": run.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
-        metrics = {k: common.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        metrics = {k: distributed.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
             logger.images(
@@ -618,15 +618,15 @@ def main(args: Args):
     if stopped_at is not None:
         final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
     else:
-        final = common.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+        final = run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         save(args.num_epochs)
     if dist.is_main:
-        print(f"final eval: {final}  peak RSS {common.peak_rss_mb():.0f} MB  run: {run_dir}")
+        print(f"final eval: {final}  peak RSS {run.peak_rss_mb():.0f} MB  run: {run_dir}")
         if args.push_to_hub:
-            common.push_to_hub(run_dir / "lora", args.push_to_hub)
+            run.push_to_hub(run_dir / "lora", args.push_to_hub)
     logger.close()
-    common.cleanup_distributed()
+    distributed.cleanup_distributed()
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args))

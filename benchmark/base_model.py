@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--grid", default=None, help="save a PNG grid of the first seed's samples (first CFG, first 36 prompts)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    pipe = common.load_pipeline(args.model, torch.device("cpu"))
+    pipe = models.load_pipeline(args.model, torch.device("cpu"))
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     scorer = ocr_evaluate() if args.reward == "ocr" else shapes_evaluate
     for g in args.guidance_scales:

@@ -156,7 +156,7 @@ def append(path: Path, row: dict):
 def base_scores(model: str, sets: dict, guidance_scale: float, cache: dict = {}) -> dict:  # noqa: B006 - a deliberate cache
     key = (model, guidance_scale)
     if key not in cache:
-        pipe = common.load_pipeline(model, torch.device("cpu"))
+        pipe = models.load_pipeline(model, torch.device("cpu"))
         encoder = common.PromptEncoder(pipe)
         cache[key] = {name: score(pipe, encoder, prompts, guidance_scale) for name, prompts in sets.items()}
     return cache[key]
@@ -196,7 +196,7 @@ def cmd_final(args, sets):
             continue
         run_args = json.loads((run / "args.json").read_text())
         cfg = run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
-        pipe = common.load_pipeline(args.model, torch.device("cpu"))
+        pipe = models.load_pipeline(args.model, torch.device("cpu"))
         pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
         for name, prompts in sets.items():

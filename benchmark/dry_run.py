@@ -173,10 +173,10 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
     import tyro
     from diffusers import SD3Transformer2DModel
 
-    import common
+    import models
 
     meter = SavedTensorMeter()
-    load = common.load_pipeline
+    load = models.load_pipeline
 
     def load_with_sd35(model, device, dtype=torch.float32, resolution=None, **sizes):
         pipe = load(model, device, dtype, resolution, **sizes)
@@ -197,7 +197,7 @@ def child(algo: str, folder: str, resolution: int, gc: bool, out_dir: str):
         )
         return pipe
 
-    common.load_pipeline = load_with_sd35
+    models.load_pipeline = load_with_sd35
     prompts = Path(out_dir) / "prompts.txt"
     prompts.write_text("a red circle\n")
     flags = (

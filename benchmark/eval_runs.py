@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import models  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 try:  # the model-family registry, where this checkout has one
@@ -32,7 +33,7 @@ METRICS = ("shapes", "shapes_strict", "shapes_exact", "objects_extra", "prompt_s
 
 
 def score(model: str, prompts: list, seeds: list, lora=None) -> dict:
-    pipe = common.load_pipeline(model, torch.device("cpu"))
+    pipe = models.load_pipeline(model, torch.device("cpu"))
     if lora is not None:
         pipe.load_lora_weights(str(lora))
     encoder, rewards = common.PromptEncoder(pipe), load_rewards("shapes_clean", "cpu")

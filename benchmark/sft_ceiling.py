@@ -41,7 +41,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    pipe = common.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
     encoder = common.PromptEncoder(pipe)
     train = common.load_prompts(common.TRAIN_PROMPTS)
 
@@ -67,7 +67,7 @@ def main():
 
     # 2. flow matching on the kept samples, LoRA as the scripts attach it
     pipe.transformer.requires_grad_(False)
-    params = common.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, None)
+    params = models.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, None)
     opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=1e-4)
     sigmas = common.sigma_schedule(pipe.scheduler, 10)[:-1]
     gen = torch.Generator().manual_seed(args.seed)
@@ -89,7 +89,7 @@ def main():
     # 3. the same scoring as `convergence.py base` (CFG 1), paired with the base at CFG 1 on the same noises
     pipe.transformer.eval()
     row = {"method": "sft_on_exact_samples", **vars(args), "kept": len(kept_prompts), "prompts_covered": covered}
-    base_pipe = common.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    base_pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
     base_encoder = common.PromptEncoder(base_pipe)
     for name, prompts in prompt_sets().items():
         m = score(pipe, encoder, prompts, 1.0)

@@ -136,12 +136,12 @@ def components(repeats: int) -> str:
     import models  # noqa: F401  (registers the model families)
 
     torch.set_num_threads(1)
-    pipe = common.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
     transformer = pipe.transformer
     torch.manual_seed(0)
     targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     with torch.no_grad():
-        for p in common.add_lora(transformer, 16, 32.0, targets):
+        for p in models.add_lora(transformer, 16, 32.0, targets):
             p.normal_(0, 0.02)
     dtype_ms = timeit.timeit(lambda: transformer.dtype, number=200) / 200 * 1e3
     prompts = (common.load_prompts(common.TEST_PROMPTS) * 2)[:32]

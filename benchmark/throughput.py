@@ -34,7 +34,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    pipe = common.load_pipeline(args.model, device)
+    pipe = models.load_pipeline(args.model, device)
     prompts = [f"a red circle and a blue square {i % 4}" for i in range(args.num_images)]
     t = pipe.transformer.config
     height = args.height or t.sample_size * pipe.vae_scale_factor

@@ -6,13 +6,355 @@ shift, latent layout, latent un-normalisation, default LoRA targets). Importing 
 models/, so the arrows point one way: algos -> models -> common.
 """
 
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
 import common
+from common import FAMILIES, Family, UserError, family_of, mu_for, short, sigma_schedule
 
 from . import cogview4, flux, flux2, lumina2, qwenimage, sana, sd3, wan, zimage
 
-FAMILIES = {}
 for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2, cogview4):
     common.register(_module.FAMILY)
-    FAMILIES.update({name: _module.FAMILY for name in _module.FAMILY.pipelines})
 
-load = common.load_pipeline
+
+# ----------------------------------------------------------------------------------------------------------------
+# model: a diffusers flow-matching pipeline (the family's differences live in models/), LoRA via peft, reference = adapter off
+# ----------------------------------------------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Model:
+    """What `load_pipeline` returns: the diffusers pipeline and the state the sampler needs, kept here rather than
+    on the pipeline's objects. Attributes it does not hold (vae, text encoders, tokenizers) are the pipeline's."""
+
+    pipe: object  # the diffusers pipeline
+    family: Family
+    transformer: torch.nn.Module
+    scheduler: object
+    latent_shape: tuple  # one sample's latents as the sampler draws them, e.g. SD3 [C, h, w]
+
+    def __getattr__(self, name):  # only called for names the record does not have
+        if name == "pipe":
+            raise AttributeError(name)
+        return getattr(self.pipe, name)
+
+    def __call__(self, *args, **kwargs):
+        """The pipeline's own `__call__` (the reference the tests compare the sampler with)."""
+        return self.pipe(*args, **kwargs)
+
+    @property
+    def tokens(self) -> int:
+        return self.family.tokens(self.latent_shape)
+
+    def sigmas(self, num_steps: int, device=None, schedule: str = "pipeline") -> torch.Tensor:
+        """The sampler's sigma schedule at this model's resolution (see `sigma_schedule`)."""
+        mu = mu_for(self.family, self.scheduler, self.latent_shape, num_steps)
+        return sigma_schedule(self.scheduler, num_steps, device, mu, schedule)
+
+
+def pipeline_config(model: str) -> dict:
+    """A local folder's model_index.json; for a hub id (not downloaded before loading) only its guessed `_class_name`."""
+    local = Path(model).expanduser()
+    try:
+        return json.loads((local / "model_index.json").read_text())
+    except (OSError, ValueError):
+        try:
+            return {"_class_name": pipeline_class(model)}
+        except UserError:
+            return {}  # load_pipeline reports it
+
+
+def read_model_index(local: Path, model: str) -> dict:
+    """A local pipeline folder's model_index.json, or one line saying why it cannot be read."""
+    path = local / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f"model {model!r}: {path} is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(index, dict):
+        raise UserError(f"model {model!r}: {path} is not a JSON object")
+    return index
+
+
+def check_model_folder(local: Path, model: str):
+    """Before the model loads: the folder's pipeline class is a registered family's, and the transformer it holds is
+    that family's (a class name over another family's parts loads, then fails at the first prompt)."""
+    index = read_model_index(local, model)
+    cls = index.get("_class_name", "")
+    if cls not in FAMILIES:
+        raise UserError(
+            f"model {model!r}: pipeline class {cls!r} is not a supported family "
+            f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
+        )
+    entry, want = index.get("transformer"), FAMILIES[cls].transformer
+    got = entry[1] if isinstance(entry, list) and len(entry) == 2 else entry
+    if got != want:
+        raise UserError(
+            f"model {model!r}: model_index.json names {cls}, whose transformer is {want}, but the folder holds {got}"
+        )
+
+
+def pipeline_class(model: str) -> str:
+    """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
+    local = Path(model).expanduser()
+    if (local / "model_index.json").is_file():
+        return read_model_index(local, model).get("_class_name", "")
+    name = model.lower()
+    for key, cls in HUB_NAMES:
+        if key in name:
+            return cls
+    raise UserError(
+        f"model {model!r}: cannot tell its family from the name; download it and pass the folder "
+        f"(its model_index.json names the pipeline class)"
+    )
+
+
+# hub id substring -> pipeline class, first match wins (for hub ids without a local folder)
+HUB_NAMES = (
+    ("flux.2-klein", "Flux2KleinPipeline"),
+    ("flux.2", "Flux2Pipeline"),
+    ("flux", "FluxPipeline"),
+    ("qwen-image", "QwenImagePipeline"),
+    ("z-image", "ZImagePipeline"),
+    ("wan2", "WanPipeline"),
+    ("sana_sprint", "SanaSprintPipeline"),
+    ("sana", "SanaPipeline"),
+    ("lumina-image-2", "Lumina2Pipeline"),
+    ("cogview4", "CogView4Pipeline"),
+    ("stable-diffusion-3", "StableDiffusion3Pipeline"),
+    ("sd3", "StableDiffusion3Pipeline"),
+)
+
+
+def load_pipeline(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    resolution: Optional[int] = None,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    num_frames: Optional[int] = None,
+):
+    """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
+
+    The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
+    `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
+    `num_frames` set the returned `Model.latent_shape`, what the sampler draws, in the family's layout; the
+    resolution-dependent shift of some families follows from it (`Model.sigmas`).
+    """
+    import transformers
+
+    local = Path(model).expanduser()
+    looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_local and not (local / "model_index.json").exists():
+        raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
+    cls = pipeline_class(model)
+    if cls not in FAMILIES:
+        raise UserError(
+            f"model {model!r}: pipeline class {cls!r} is not a supported family "
+            f"({', '.join(sorted(FAMILIES)) or 'none registered: import models'})"
+        )
+    family = FAMILIES[cls]
+    if num_frames is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {num_frames}: {cls} makes images, not videos")
+    verbosity = transformers.logging.get_verbosity()
+    # importing the pipelines warns about torchvision for SD3's unused image encoder
+    transformers.logging.set_verbosity_error()
+    try:
+        import diffusers
+
+        pipeline = getattr(diffusers, cls)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    try:
+        pipe = pipeline.from_pretrained(
+            str(local) if looks_local else model,
+            dtype=dtype,
+            local_files_only=looks_local,
+            **family.load_kwargs(local if looks_local else None),
+        )
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model {model!r} could not be loaded ({first}); pass a local pipeline folder or a reachable hub id")
+    pipe.set_progress_bar_config(disable=True)
+    shape = family.latent_shape(pipe, height or resolution, width or resolution, num_frames or family.num_frames)
+    for m in pipe.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.requires_grad_(False).eval()
+    pipe = pipe.to(device)
+    return Model(pipe, family, pipe.transformer, family.scheduler(pipe) if family.scheduler else pipe.scheduler, tuple(shape))
+
+
+def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequence[str]]) -> list:
+    """Attach a peft LoRA adapter; returns its parameters, kept in fp32 whatever the base dtype (master weights).
+    `target_modules` None: the family's `lora_targets`."""
+    from peft import LoraConfig
+
+    target_modules = family_of(transformer).lora_targets if target_modules is None else target_modules
+    try:
+        transformer.add_adapter(
+            LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
+        )
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(
+            f"--lora-targets {' '.join(target_modules)}: no LoRA could be attached to "
+            f"{type(transformer).__name__} ({first[:200]})"
+        )
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return params
+
+
+def enable_gradient_checkpointing(transformer):
+    """Recompute each transformer block's activations in the backward pass instead of keeping them: activation
+    memory of one block instead of all (FLUX.1 has 57), for about one more forward per training step.
+
+    diffusers checkpoints every block with non-reentrant `torch.utils.checkpoint`, so the LoRA weights inside a block
+    get their gradients although the block's inputs need none, and only forwards with grad enabled are affected
+    (sampling under no_grad runs as before). The loss and gradients are unchanged."""
+    if not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise UserError(f"{type(transformer).__name__} does not support gradient checkpointing")
+    transformer.enable_gradient_checkpointing()
+
+
+def compile_unavailable(device) -> Optional[str]:
+    """Why `torch.compile` cannot run on `device` here, or None: inductor's CPU code is C++ built by the machine's
+    compiler at first use, and its GPU code needs triton."""
+    if torch.device(device).type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # inductor raises RuntimeError when no C++ compiler is on PATH (or $CXX is wrong)
+            return f"no C++ compiler for inductor's CPU code ({short(str(e).strip(), 120)})"
+    elif torch.device(device).type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "inductor's GPU code needs triton (pip install triton)"
+    return None
+
+
+def compile_transformer(transformer) -> int:
+    """Regional compilation (diffusers' advice): `torch.compile` each repeated transformer block rather than the whole
+    model, so one block's graph is compiled once and reused by its siblings, and the code between blocks stays eager.
+    Uses diffusers' `compile_repeated_blocks` where the model class names its blocks (`_repeated_blocks`; SD3's list is
+    empty in diffusers 0.42), else compiles each module of the transformer's `*blocks` lists. In place: parameter names,
+    LoRA, checkpoints and the export are unchanged. Compilation happens at the first call of each new input shape or
+    mode (sampling, training with grad, the reference model, eval's batch); the first call's time is printed once.
+    Returns the number of blocks compiled."""
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks()
+        blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._repeated_blocks]
+    else:
+        blocks = [
+            block
+            for name, child in transformer.named_children()
+            if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
+            for block in child
+        ]
+        for block in blocks:
+            block.compile()
+    if not blocks:
+        raise UserError(f"--compile: {type(transformer).__name__} has no transformer block lists to compile")
+    start = {}
+
+    def before(module, args, kwargs):
+        start["t"] = time.perf_counter()
+
+    def after(module, args, kwargs, output):
+        from tqdm import tqdm
+
+        seconds = time.perf_counter() - start["t"]
+        tqdm.write(f"--compile: the first transformer call compiled {len(blocks)} blocks in {seconds:.1f} s")
+        for hook in hooks:
+            hook.remove()
+
+    hooks = [
+        transformer.register_forward_pre_hook(before, with_kwargs=True),
+        transformer.register_forward_hook(after, with_kwargs=True),
+    ]
+    return len(blocks)
+
+
+@contextlib.contextmanager
+def reference_model(transformer):
+    """The frozen base model: the same transformer with its LoRA adapter disabled."""
+    transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        transformer.enable_adapters()
+
+
+@contextlib.contextmanager
+def swapped_weights(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+    """Temporarily load other values (an EMA or a snapshot) into the trainable parameters."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+
+
+class EvalEMA:
+    """An EMA of the trainable weights kept only for evaluation (the papers' protocol: flow_grpo, DiffusionNFT, AWM and
+    DGPO all report an EMA of the weights); training never sees it. decay 0 = off: `swapped()` is a no-op.
+
+    `update(step)` after optimizer step `step` (counted from 1): e <- d e + (1 - d) p with d = min(decay, (1 + step) /
+    (10 + step)), flow_grpo's warm-up (flow_grpo/ema.py), so early evaluations are not dominated by the initial weights.
+    Only at the steps with (step + 1) % interval == 0 (flow_grpo/ema.py `update_step_interval`), and there `repeats`
+    times: flow_grpo's and DGPO's training loops call `ema.step(global_step)` after every micro-batch, so an update
+    step gets one update per micro-batch of its optimizer step (2 in flow_grpo's 32-GPU SD3.5 configs: decay 0.9 at
+    interval 8 then averages 0.974 per step; 4 in DGPO's 4-GPU PickScore one: 0.949 per step).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], decay: float, interval: int = 1, repeats: int = 1):
+        if not 0 <= decay < 1:
+            raise UserError(f"eval_ema_decay must be in [0, 1) (0 = off), got {decay}")
+        if interval < 1 or repeats < 1:
+            raise UserError(f"eval_ema_interval and eval_ema_repeats must be >= 1, got {interval} and {repeats}")
+        self.params, self.decay, self.interval, self.repeats = list(params), decay, interval, repeats
+        self.shadow = [p.detach().clone() for p in self.params] if decay > 0 else []
+
+    @torch.no_grad()
+    def update(self, step: int):
+        if (step + 1) % self.interval:
+            return
+        d = min(self.decay, (1 + step) / (10 + step))
+        for _ in range(self.repeats):
+            for e, p in zip(self.shadow, self.params):
+                e.lerp_(p.detach(), 1 - d)
+
+    def swapped(self):
+        return swapped_weights(self.params, self.shadow) if self.shadow else contextlib.nullcontext()
+
+    def state(self) -> Optional[list]:
+        return [e.cpu() for e in self.shadow] if self.shadow else None
+
+    def export(self) -> dict:
+        """`export_lora`'s keywords: the EMA is what evaluation reports, so it is also what users get."""
+        return {"weights": self.shadow, "weights_name": f"the eval EMA (decay {self.decay})"} if self.shadow else {}
+
+    @torch.no_grad()
+    def load(self, state: Optional[list]):
+        """Restore a saved EMA; a checkpoint without one (EMA off when it was written) restarts it from the weights."""
+        for e, p, v in zip(self.shadow, self.params, state or [None] * len(self.shadow)):
+            e.copy_(p if v is None else v)

@@ -159,18 +159,18 @@ def run_script(argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, e
 
 
 def run_in_process(module, argv) -> int:
-    """`python algos/<module>.py *argv` in this process, as its `__main__` runs it (`common.run_main` on tyro's Args),
+    """`python algos/<module>.py *argv` in this process, as its `__main__` runs it (`run.run_main` on tyro's Args),
     without the start-up of a new interpreter: the exit code (0 when main returns). The signal handlers a run
     installs are put back. For runs that end early (bad inputs): a run compared bit for bit with a script's must be
     a script itself, since pytest's process sets its own thread count."""
     import tyro
 
-    import common
+    import run
 
     argv = [str(a) for a in argv]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        common.run_main(module.main, tyro.cli(module.Args, args=argv), argv=argv)
+        run.run_main(module.main, tyro.cli(module.Args, args=argv), argv=argv)
     except SystemExit as e:
         return e.code
     finally:

@@ -12,6 +12,7 @@ import torch
 from conftest import HANG_S, kill_group, run_in_process, run_script, start_script
 
 import common
+from run import load_checkpoint
 
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1".split()
 # Per-algorithm flags that keep a run small: the one place to edit them. One reference run per algorithm with these
@@ -122,7 +123,7 @@ def test_smoke_and_exact_resume(algo, reference, shared_prompts, tmp_path):
     assert saved == ["epoch_000001", "epoch_000002", "epoch_000003", "last"]
     # no pickle: the trainable state is safetensors, the rest loads with weights_only=True
     assert torch.load(a_dir / "checkpoints" / "last" / "state.pt", weights_only=True)["epoch"] == 3
-    a = common.load_checkpoint(a_dir)
+    a = load_checkpoint(a_dir)
     assert a["epoch"] == 3 and a["images_seen"] == 24
 
     run(algo, "--num-epochs 1", shared_prompts, tmp_path / "b")
@@ -130,7 +131,7 @@ def test_smoke_and_exact_resume(algo, reference, shared_prompts, tmp_path):
     args_before = (b_dir / "args.json").read_bytes()
     # only the resume path and the new length: the run's other flags come from the checkpoint
     run_script([f"algos/{algo}.py", "--resume", b_dir, "--num-epochs", "3"])
-    assert_same_state(a, common.load_checkpoint(b_dir), algo)
+    assert_same_state(a, load_checkpoint(b_dir), algo)
     assert (b_dir / "args.json").read_bytes() == args_before  # the run's record is appended to, never rewritten
     (record,) = [json.loads(line) for line in (b_dir / "resumes.jsonl").read_text().splitlines()]
     assert record["epoch"] == 1 and record["overrides"] == {"num_epochs": {"saved": 1, "now": 3}}
@@ -156,7 +157,7 @@ def test_killed_or_interrupted_runs_resume_exactly(reference, shared_prompts, tm
     """SIGKILL between epochs, and Ctrl-C (finish the epoch, save, exit 0): both resume to the uninterrupted result,
     with prompts repeating across epochs; a temp folder left by a kill mid-save is removed on resume."""
     algo = "crd"
-    a = common.load_checkpoint(reference(algo).dir)
+    a = load_checkpoint(reference(algo).dir)
     for name, sig in (("kill", signal.SIGKILL), ("int", signal.SIGINT)):
         proc = start_script(script_argv(algo, shared_prompts, tmp_path / name, "--num-epochs", EPOCHS))
         try:
@@ -167,11 +168,11 @@ def test_killed_or_interrupted_runs_resume_exactly(reference, shared_prompts, tm
             kill_group(proc)
         if sig == signal.SIGINT:
             assert proc.returncode == 0 and "continue with --resume" in stdout
-        assert common.load_checkpoint(run_dir)["epoch"] < EPOCHS
+        assert load_checkpoint(run_dir)["epoch"] < EPOCHS
         (run_dir / "checkpoints" / ".tmp-epoch_000009.123").mkdir()  # what a kill in the middle of a save leaves
         run_script([f"algos/{algo}.py", "--resume", run_dir])
         assert not list((run_dir / "checkpoints").glob(".tmp-*"))
-        assert_same_state(a, common.load_checkpoint(run_dir), name)
+        assert_same_state(a, load_checkpoint(run_dir), name)
 
 
 @pytest.mark.slow
@@ -183,13 +184,13 @@ def test_two_ranks_match_one_process(algo, reference, shared_prompts, tmp_path):
     with more, one process sums the gradients as ((g1 + g2) + g3) + g4 and two ranks as (g1 + g2) + (g3 + g4), which
     differ in rounding (measured with two timesteps: 4e-6 to 7e-6 relative after two steps; README). The one process
     is the reference run, compared at its epoch-2 checkpoint."""
-    a = common.load_checkpoint(reference(algo).dir / "checkpoints" / "epoch_000002")
+    a = load_checkpoint(reference(algo).dir / "checkpoints" / "epoch_000002")
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = run_script([*argv, *script_argv(algo, shared_prompts, tmp_path / "two", "--num-epochs", 2)])
     assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
     (two_dir,) = (tmp_path / "two").iterdir()
     assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1
-    b = common.load_checkpoint(two_dir)
+    b = load_checkpoint(two_dir)
     assert a["epoch"] == 2 and a["step"] == 2 * a["args"]["grad_steps_per_epoch"]
     assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did move
     assert_same_state(a, b, algo)
@@ -204,7 +205,7 @@ def test_two_ranks_match_one_process(algo, reference, shared_prompts, tmp_path):
     ids=["nan", "shape"],
 )
 def test_bad_reward_output_stops_with_one_line(bad, message, prompts, monkeypatch, capsys):
-    """In-process, as `python algos/nft.py` runs (`common.run_main` on tyro's Args), with a registered reward that
+    """In-process, as `python algos/nft.py` runs (`run_main` on tyro's Args), with a registered reward that
     returns `bad(len(prompts))`."""
     import rewards
     from algos import nft
@@ -273,7 +274,7 @@ def test_overlapped_reward_equals_sequential(algo, prompts):
         out_dir = prompts / flag.strip("-")
         run(algo, f"--num-epochs 1 --eval-every 10 {flag}", prompts, out_dir)
         (run_dir,) = out_dir.iterdir()
-        states.append(common.load_checkpoint(run_dir))
+        states.append(load_checkpoint(run_dir))
         acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
         acc.Reload()
         tags = [t for t in acc.Tags()["scalars"] if t.startswith(("charts/reward", "charts/shapes", "losses/", "eval/"))]

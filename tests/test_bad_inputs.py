@@ -1,7 +1,7 @@
 """Every bad input ends as one line on stderr and exit code 2, before the model loads where it can be known, and
 writes nothing: no run folder appears, an existing run stays byte for byte as it was.
 
-The scripts run in-process (`common.run_main` on tyro-parsed flags, as `python algos/<algo>.py` does), so the whole
+The scripts run in-process (`run.run_main` on tyro-parsed flags, as `python algos/<algo>.py` does), so the whole
 table takes seconds; only what needs a process of its own (a signal) runs as a subprocess."""
 
 import fcntl
@@ -15,6 +15,8 @@ import tyro
 from conftest import run_in_process, run_script
 
 import common
+import models
+import run
 from algos import awm, crd, dgpo, grpo, nft
 
 ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
@@ -129,7 +131,7 @@ def call(algo: str, argv: list, capsys) -> tuple:
     args = tyro.cli(mod.Args, args=argv)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        common.run_main(mod.main, args, argv=argv)
+        run.run_main(mod.main, args, argv=argv)
     return e.value.code, capsys.readouterr().err
 
 
@@ -151,8 +153,8 @@ def assert_one_line(rc, err, expected):
 
 @pytest.mark.parametrize("algo, flags, expected", CASES, ids=[f"{a}:{f}" for a, f, _ in CASES])
 def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files, capsys, monkeypatch):
-    loaded, load = [], common.load_pipeline
-    monkeypatch.setattr(common, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
+    loaded, load = [], models.load_pipeline
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
     argv = [
         *TINY,
         *VALID.get(algo, []),
@@ -196,7 +198,7 @@ def nft_run(tmp_path_factory):
         "--output-dir",
         str(tmp / "runs"),
     ]
-    common.run_main(nft.main, tyro.cli(nft.Args, args=argv), argv=argv)
+    run.run_main(nft.main, tyro.cli(nft.Args, args=argv), argv=argv)
     (run_dir,) = (tmp / "runs").iterdir()
     return run_dir
 
@@ -229,11 +231,11 @@ def _edit_weights(edit):
     """A damage function: `edit(tensors)` applied to the last checkpoint's safetensors file."""
     from safetensors.torch import load_file, save_file
 
-    def damage(run):
-        path = (run / "checkpoints" / "last" / "weights.safetensors").resolve()
+    def damage(run_dir):
+        path = (run_dir / "checkpoints" / "last" / "weights.safetensors").resolve()
         tensors = load_file(str(path))
         edit(tensors)
-        save_file(tensors, str(path), metadata={"format": common.CHECKPOINT_FORMAT})
+        save_file(tensors, str(path), metadata={"format": run.CHECKPOINT_FORMAT})
 
     return damage
 
@@ -338,7 +340,7 @@ def test_second_writer_is_refused(run_copy, capsys):
         rc, err = call("nft", ["--resume", str(run_copy), "--num-epochs", "2"], capsys)
         assert_one_line(rc, err, "is in use by another process")
         assert snapshot(run_copy) == before
-    assert not common._LOCKS  # run_main let go of what it held
+    assert not run._LOCKS  # run_main let go of what it held
 
 
 def test_resume_restores_the_saved_flags(run_copy, capsys):
@@ -348,9 +350,9 @@ def test_resume_restores_the_saved_flags(run_copy, capsys):
     args_json = (run_copy / "args.json").read_bytes()
     argv = ["--resume", str(run_copy / "checkpoints" / "epoch_000001"), "--num-epochs", "2"]  # one checkpoint of the run
     args = tyro.cli(nft.Args, args=argv)
-    common.run_main(nft.main, args, argv=argv)
+    run.run_main(nft.main, args, argv=argv)
     assert args.num_prompts == 2 and args.num_steps == 4 and args.num_train_timesteps == 1 and args.eval_every == 5
-    assert common.load_checkpoint(run_copy)["epoch"] == 2
+    assert run.load_checkpoint(run_copy)["epoch"] == 2
     assert (run_copy / "args.json").read_bytes() == args_json
     assert len((run_copy / "resumes.jsonl").read_text().splitlines()) == 1
 
@@ -360,7 +362,7 @@ def test_fresh_run_names_are_unique(files):
     names = set()
     for _ in range(2):
         args = nft.Args(output_dir=str(files / "runs"), test_prompts=str(files / "test.txt"))
-        names.add(common.start_run(args, nft.__file__)[0])
+        names.add(run.start_run(args, nft.__file__)[0])
     assert len(names) == 2 and not (files / "runs").exists()
 
 
@@ -368,11 +370,13 @@ INTERRUPT = """
 import os, signal, sys, time
 sys.path[:0] = [{repo!r}, {repo!r} + "/algos"]
 import common, nft, tyro
+import run
+import models
 def loading(*args, **kwargs):  # Ctrl-C arrives while the model loads
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
-common.load_pipeline = loading
-common.run_main(nft.main, tyro.cli(nft.Args))
+models.load_pipeline = loading
+run.run_main(nft.main, tyro.cli(nft.Args))
 """
 
 
@@ -415,14 +419,14 @@ def test_a_checkpoint_never_sets_where_the_model_or_data_go(run_copy, capsys, mo
     argv = ["--resume", str(run_copy), "--num-epochs", "2"]
     args = tyro.cli(nft.Args, args=argv)
     capsys.readouterr()
-    common.run_main(nft.main, args, argv=argv)
+    run.run_main(nft.main, args, argv=argv)
     err = capsys.readouterr().err
     assert uploads == [] and args.push_to_hub is None and args.track is False and args.wandb_entity is None
     assert args.wandb_project_name == nft.Args.wandb_project_name
     for flag in ("--push-to-hub attacker/stolen-lora", "--track;", "--wandb-project-name theirs", "--wandb-entity attacker"):
         assert f"note: the run had {flag}" in err, err
-    assert common.load_checkpoint(run_copy)["epoch"] == 2
-    assert not list(run_copy.glob(".lora.*")) and (run_copy / "lora" / common.LORA_WEIGHTS).is_file()
+    assert run.load_checkpoint(run_copy)["epoch"] == 2
+    assert not list(run_copy.glob(".lora.*")) and (run_copy / "lora" / run.LORA_WEIGHTS).is_file()
 
 
 def test_a_reward_that_raises_names_itself_and_the_epoch_and_the_run_resumes(files, capsys, monkeypatch):
@@ -450,9 +454,9 @@ def test_a_reward_that_raises_names_itself_and_the_epoch_and_the_run_resumes(fil
     (run_dir,) = (files / "runs").iterdir()
     line = assert_error_is_last_line(rc, err, "reward 'flaky' failed (RuntimeError: CUDA error: an illegal memory access was")
     assert line.endswith(f"in epoch 2; --resume {run_dir} goes on from its last checkpoint (epoch_000001)"), line
-    assert common.load_checkpoint(run_dir)["epoch"] == 1
+    assert run.load_checkpoint(run_dir)["epoch"] == 1
     assert run_in_process(nft, ["--resume", run_dir]) == 0  # training_calls is past 3: the reward works now
-    assert common.load_checkpoint(run_dir)["epoch"] == 3
+    assert run.load_checkpoint(run_dir)["epoch"] == 3
 
 
 def test_the_run_folder_removed_while_the_run_goes_is_one_line(files, capsys, monkeypatch):
@@ -500,7 +504,7 @@ def test_sigterm_saves_then_exits_143(files):
         kill_group(proc)
     assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
     (run_dir,) = (files / "runs").iterdir()
-    epoch = common.load_checkpoint(run_dir)["epoch"]
+    epoch = run.load_checkpoint(run_dir)["epoch"]
     assert 1 <= epoch < 50 and f"stopped before epoch {epoch}; continue with --resume {run_dir}" in out
 
 

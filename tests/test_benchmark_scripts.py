@@ -9,7 +9,7 @@ import pytest
 import tyro
 from conftest import run_script
 
-import common
+import distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
@@ -35,6 +35,6 @@ def parse_script(script: Path, task: str, with_flags: bool = False):
 def test_paper_command_parses_with_a_valid_geometry(script, task):
     world, name, args = parse_script(script, task)
     assert args.reward == task and args.model == "stabilityai/stable-diffusion-3.5-medium"
-    common.batch_layout(args.num_prompts * args.group_size, args.grad_steps_per_epoch, world, args.micro_batch)
+    distributed.batch_layout(args.num_prompts * args.group_size, args.grad_steps_per_epoch, world, args.micro_batch)
     if name in ("crd", "dgpo"):  # whole groups per micro-batch
         assert args.micro_batch % args.group_size == 0

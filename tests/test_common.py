@@ -11,11 +11,14 @@ import torch
 from conftest import ode_sample
 
 import common
+import distributed
+import models
+import run
 
 
 @pytest.fixture(scope="module")
 def pipe(random_pipeline_dir):
-    return common.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+    return models.load_pipeline(random_pipeline_dir, torch.device("cpu"))
 
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
@@ -260,15 +263,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     path = tmp_path / "ck" / "last"
     snapshot = [p.detach().clone().to(torch.bfloat16) for p in named.values()]
     state = {
-        "params": common.trainable_state(named),
+        "params": run.trainable_state(named),
         "opt": opt.state_dict(),
         "step": 3,
         "epoch": 3,
-        "rng": common.rng_state(),
+        "rng": run.rng_state(),
         "snapshots": {"ema": snapshot, "none": []},
         "eval_ema": snapshot,
     }
-    common.save_checkpoint(path, state)
+    run.save_checkpoint(path, state)
     expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
     ref_weights = {n: p.detach().clone() for n, p in named.items()}
     ref_opt = copy.deepcopy(opt.state_dict())  # state_dict() holds live tensors
@@ -277,10 +280,10 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         opt.zero_grad()
         model(torch.randn(5, 4)).sum().backward()
         opt.step()
-    state = common.load_checkpoint(path)
-    common.load_trainable_state(named, state["params"])
+    state = run.load_checkpoint(path)
+    run.load_trainable_state(named, state["params"])
     opt.load_state_dict(state["opt"])
-    common.set_rng_state(state["rng"])
+    run.set_rng_state(state["rng"])
     for n, p in named.items():
         assert torch.equal(p, ref_weights[n])
     for k, s in opt.state_dict()["state"].items():
@@ -302,7 +305,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
 
 def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
     params = [torch.zeros(3), torch.ones(2)]
-    ema = common.EvalEMA(params, 0.9)
+    ema = models.EvalEMA(params, 0.9)
     ref = [p.clone() for p in params]
     for step in range(1, 30):
         with torch.no_grad():
@@ -318,16 +321,16 @@ def test_eval_ema_follows_the_weights_with_warm_up_and_swaps_back():
         assert all(torch.equal(p, r) for p, r in zip(params, ema.shadow))
     assert all(torch.equal(p, t) for p, t in zip(params, trained))
     saved = ema.state()
-    fresh = common.EvalEMA(params, 0.9)
+    fresh = models.EvalEMA(params, 0.9)
     fresh.load(saved)
     assert all(torch.equal(x, y) for x, y in zip(fresh.shadow, ema.shadow))
     fresh.load(None)  # a checkpoint written with the EMA off: restart from the weights
     assert all(torch.equal(x, p) for x, p in zip(fresh.shadow, params))
-    off = common.EvalEMA(params, 0.0)
+    off = models.EvalEMA(params, 0.0)
     off.update(1)
     assert off.state() is None and not off.shadow
     with pytest.raises(common.UserError):
-        common.EvalEMA(params, 1.0)
+        models.EvalEMA(params, 1.0)
 
 
 def test_eval_ema_interval_and_repeats_follow_flow_grpos_call_pattern():
@@ -336,7 +339,7 @@ def test_eval_ema_interval_and_repeats_follow_flow_grpos_call_pattern():
     here as that loop; cleanflow updates once per optimizer step with interval 8 and repeats A."""
     A, interval, decay = 3, 8, 0.9
     params = [torch.zeros(4)]
-    ours = common.EvalEMA(params, decay, interval, A)
+    ours = models.EvalEMA(params, decay, interval, A)
     ref, global_step = params[0].clone(), 0
     for step in range(1, 38):  # ends before step 39, whose updates (39 + 1 = 40 = 5 x 8) flow_grpo spreads into step 40
         for mb in range(A):
@@ -351,12 +354,12 @@ def test_eval_ema_interval_and_repeats_follow_flow_grpos_call_pattern():
     torch.testing.assert_close(ours.shadow[0], ref)
     assert not torch.equal(ref, params[0])
     with pytest.raises(common.UserError):
-        common.EvalEMA(params, 0.9, 0)
+        models.EvalEMA(params, 0.9, 0)
 
 
 def test_missing_model_path_is_one_clear_line(tmp_path):
     with pytest.raises(common.UserError) as e:
-        common.load_pipeline(str(tmp_path / "nope"), torch.device("cpu"))
+        models.load_pipeline(str(tmp_path / "nope"), torch.device("cpu"))
     assert "nope" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -384,7 +387,7 @@ def test_load_prompts_txt_jsonl_and_errors(tmp_path):
 
 def test_lora_starts_at_base_and_reference_disables_it(pipe):
     transformer = copy.deepcopy(pipe.transformer)
-    params = common.add_lora(transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    params = models.add_lora(transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     assert params and all(p.requires_grad and p.dtype == torch.float32 for p in params)
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
@@ -395,54 +398,55 @@ def test_lora_starts_at_base_and_reference_disables_it(pipe):
         for p in params:
             p.add_(0.05)
         assert not torch.allclose(common.velocity(transformer, x, 0.5, cond), base)
-        with common.reference_model(transformer):
+        with models.reference_model(transformer):
             torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond), base)
 
 
 def test_checkpoints_keep_the_last_n(tmp_path):
     path = tmp_path / "checkpoints" / "last.pt"
     for epoch in range(1, 6):
-        common.save_checkpoint(path, {"epoch": epoch, "w": torch.full((3,), float(epoch))}, keep=2)
+        run.save_checkpoint(path, {"epoch": epoch, "w": torch.full((3,), float(epoch))}, keep=2)
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000004", "epoch_000005", "last"]
-    assert common.load_checkpoint(path.parent / "last")["epoch"] == 5
-    assert torch.equal(common.load_checkpoint(path.parent / "epoch_000004")["w"], torch.full((3,), 4.0))
-    common.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
+    assert run.load_checkpoint(path.parent / "last")["epoch"] == 5
+    assert torch.equal(run.load_checkpoint(path.parent / "epoch_000004")["w"], torch.full((3,), 4.0))
+    run.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000005", "last"]
-    assert torch.equal(common.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
+    assert torch.equal(run.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
     (tmp_path / "args.json").write_text("{}")  # tmp_path is now a run folder
-    common.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
+    run.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
     (path.parent / "last").unlink()  # no `last` (a filesystem without symlinks): the newest epoch folder
-    assert common.load_checkpoint(tmp_path)["epoch"] == 6
+    assert run.load_checkpoint(tmp_path)["epoch"] == 6
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, "truncated", "pickle"])
 def test_corrupt_checkpoint_is_one_line(tmp_path, content):
     path = tmp_path / "checkpoints" / "last"
-    common.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3), "opt": {"lr": 0.1}})
+    run.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3), "opt": {"lr": 0.1}})
     state_file = path / "state.pt"
     if content == "truncated":
         state_file.write_bytes(state_file.read_bytes()[:100])
     elif content == "pickle":  # code that unpickling would run: refused by weights_only
-        torch.save({"format": common.CHECKPOINT_FORMAT, "x": common.Timer()}, state_file)
+        torch.save({"format": run.CHECKPOINT_FORMAT, "x": run.Timer()}, state_file)
     else:
         state_file.write_bytes(content)
     with pytest.raises(common.UserError, match="cannot be read") as e:
-        common.load_checkpoint(path)
+        run.load_checkpoint(path)
     assert "\n" not in str(e.value)
-    common.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3)})
+    run.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3)})
     (path.resolve() / "weights.safetensors").write_bytes(b"\0" * 10)
     with pytest.raises(common.UserError, match="weights.safetensors cannot be read"):
-        common.load_checkpoint(path)
+        run.load_checkpoint(path)
 
 
 FILL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, {repo!r})
 import common
+import run
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing the process
-common.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
+run.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a file-size limit: what a full disk looks like to a write
-common.run_main(lambda args: common.save_checkpoint({path!r}, {{"epoch": 2, "w": torch.ones(1_000_000)}}), None, argv=[])
+run.run_main(lambda args: run.save_checkpoint({path!r}, {{"epoch": 2, "w": torch.ones(1_000_000)}}), None, argv=[])
 """
 
 
@@ -457,17 +461,18 @@ def test_checkpoint_write_failure_is_one_line_and_leaves_no_temp_files(tmp_path)
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("error: could not write the checkpoint") and "epoch_000002" in line
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000001", "last"]  # no temp files, the old one intact
-    assert common.load_checkpoint(path)["epoch"] == 1
+    assert run.load_checkpoint(path)["epoch"] == 1
 
 
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 import common
+import run
 # 16 MB: a write takes long enough to be killed in the middle
 big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
 for epoch in range(1, 10**6):
-    common.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
+    run.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
 """
 
 
@@ -499,7 +504,7 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path)
         finally:
             kill_group(proc)
         for ckpt in [path, *path.parent.glob("epoch_*")]:  # every checkpoint is whole and from one single save
-            state = common.load_checkpoint(ckpt)
+            state = run.load_checkpoint(ckpt)
             big = state["w"] - state["epoch"] if big is None else big
             torch.testing.assert_close(state["w"] - state["epoch"], big)
             assert state["meta"]["epoch"] == state["epoch"]
@@ -511,9 +516,9 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path)
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_dir, flux_pipeline_dirs, family):
-    pipe = common.load_pipeline(random_pipeline_dir if family == "sd3" else flux_pipeline_dirs["dev"], torch.device("cpu"))
+    pipe = models.load_pipeline(random_pipeline_dir if family == "sd3" else flux_pipeline_dirs["dev"], torch.device("cpu"))
     torch.manual_seed(0)
-    params = common.add_lora(pipe.transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    params = models.add_lora(pipe.transformer, rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     with torch.no_grad():
         for p in params:  # LoRA B starts at 0: move it so every LoRA weight gets a gradient
             p.add_(0.05)
@@ -527,7 +532,7 @@ def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_di
         return loss.detach(), grads
 
     loss, grads = loss_and_grads()
-    common.enable_gradient_checkpointing(pipe.transformer)
+    models.enable_gradient_checkpointing(pipe.transformer)
     assert pipe.transformer.gradient_checkpointing
     loss_ckpt, grads_ckpt = loss_and_grads()
     torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
@@ -538,7 +543,7 @@ def test_gradient_checkpointing_keeps_loss_and_lora_gradients(random_pipeline_di
 
 def test_offload_moves_text_encoders_to_cpu_and_keeps_the_embeddings(random_pipeline_dir):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a CPU-only machine nothing moves
-    pipe = common.load_pipeline(random_pipeline_dir, device)
+    pipe = models.load_pipeline(random_pipeline_dir, device)
     fresh = common.PromptEncoder(pipe)(PROMPTS)
     enc = common.PromptEncoder(pipe, negative_prompt="a square")
     enc.precompute(PROMPTS[:2], batch=1)
@@ -556,8 +561,8 @@ def test_offload_moves_text_encoders_to_cpu_and_keeps_the_embeddings(random_pipe
 def test_rank_layout_gives_every_optimizer_step_the_same_samples_on_any_rank_count(total, grad_steps, world, micro):
     """Written independently of rank_indices: optimizer step s of one process is samples [s T/G, (s+1) T/G); with W
     ranks its samples are the union of each rank's s-th chunk, and every rank micro-batch is a single-process one."""
-    per = common.batch_layout(total, grad_steps, world, micro)
-    ranks = [common.rank_indices(total, grad_steps, world, r).tolist() for r in range(world)]
+    per = distributed.batch_layout(total, grad_steps, world, micro)
+    ranks = [distributed.rank_indices(total, grad_steps, world, r).tolist() for r in range(world)]
     assert sorted(sum(ranks, [])) == list(range(total))  # a partition of the epoch
     for s in range(grad_steps):
         step = sorted(i for idx in ranks for i in idx[s * per : (s + 1) * per])
@@ -569,9 +574,9 @@ def test_rank_layout_gives_every_optimizer_step_the_same_samples_on_any_rank_cou
 
 def test_batch_layout_rejects_what_does_not_divide():
     with pytest.raises(common.UserError, match=r"grad_steps_per_epoch x world size \(3 x 2\)"):
-        common.batch_layout(64, 3, 2, 8)
+        distributed.batch_layout(64, 3, 2, 8)
     with pytest.raises(common.UserError, match=r"micro_batch \(6\) must divide the per-rank images per optimizer step \(16\)"):
-        common.batch_layout(64, 2, 2, 6)
+        distributed.batch_layout(64, 2, 2, 6)
 
 
 def test_keyed_noise_depends_on_the_key_not_on_the_batch():
@@ -611,20 +616,20 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
 
 def test_old_checkpoint_args_are_read_under_todays_names():
     """Checkpoints written before the decay schedules became `<snapshot>_decay_*` fields resume with their settings."""
-    nft = common.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3})
+    nft = run.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3})
     assert nft == {"old_decay_flat_steps": 2, "old_decay_ramp": 0.3, "old_decay_max": 0.4, "seed": 3}
-    assert common.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}) == {
+    assert run.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}) == {
         "ema_decay_max": 0.2,
         "ema_decay_ramp": 0.01,
     }
-    dgpo = common.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1})
+    dgpo = run.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1})
     assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1}
-    crd = common.upgrade_saved_args({"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"})
+    crd = run.upgrade_saved_args({"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"})
     assert [crd[f"old_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.25, 0, 0.005, 0.999]
     assert [crd[f"sampling_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.0, 75, 0.0075, 0.999]
     assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
     with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
-        common.upgrade_saved_args({"old_model_decay": "medium"})
+        run.upgrade_saved_args({"old_model_decay": "medium"})
 
 
 def test_cond_slices_every_field_and_carries_the_negative(pipe):
@@ -772,20 +777,20 @@ def test_a_reward_error_in_the_worker_reaches_the_caller(pipe, overlap):
 def test_compiled_blocks_give_the_eager_velocity_loss_and_gradients(random_pipeline_dir):
     """--compile (regional torch.compile of the transformer blocks): the training forward's velocity, the loss and the
     LoRA gradients match eager to float rounding; parameter names (what checkpoints store) are unchanged."""
-    reason = common.compile_unavailable("cpu")
+    reason = models.compile_unavailable("cpu")
     if reason:
         pytest.skip(reason)
     results = []
     for compiled in (False, True):
-        pipe = common.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+        pipe = models.load_pipeline(random_pipeline_dir, torch.device("cpu"))
         torch.manual_seed(0)
-        params = common.add_lora(pipe.transformer, 4, 4.0, ("to_q", "to_k", "to_v", "to_out.0"))
+        params = models.add_lora(pipe.transformer, 4, 4.0, ("to_q", "to_k", "to_v", "to_out.0"))
         with torch.no_grad():  # a trained-looking adapter, so the LoRA path carries signal and every gradient is nonzero
             for p in params:
                 p.normal_(0, 0.05)
         names = [n for n, p in pipe.transformer.named_parameters() if p.requires_grad]
         if compiled:
-            assert common.compile_transformer(pipe.transformer) == len(pipe.transformer.transformer_blocks)
+            assert models.compile_transformer(pipe.transformer) == len(pipe.transformer.transformer_blocks)
         cond = common.PromptEncoder(pipe).cond(PROMPTS, negative=False)
         x = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
         v = common.velocity(pipe.transformer, x, torch.tensor([0.9, 0.5, 0.2]), cond)
@@ -807,9 +812,9 @@ def test_compile_without_a_compiler_is_one_clear_line(monkeypatch):
     from algos import nft
 
     monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))
-    assert "no C++ compiler" in common.compile_unavailable("cpu")
+    assert "no C++ compiler" in models.compile_unavailable("cpu")
     with pytest.raises(common.UserError, match=r"--compile: no C\+\+ compiler .*run without --compile"):
-        common.check_args(nft.Args(compile=True, device="cpu"))
+        run.check_args(nft.Args(compile=True, device="cpu"))
 
 
 def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler(pipe):

@@ -18,6 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
+import distributed
+import models
+import run
 from models import flux
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +62,7 @@ def trained(tmp_path_factory):
         wandb_project_name="test",
         push_to_hub="someone/tiny-lora",
     )
-    pipes, uploads, export = [], [], common.export_lora
+    pipes, uploads, export = [], [], run.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
         pipes.append(pipe)
@@ -74,11 +77,11 @@ def trained(tmp_path_factory):
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_DIR", str(tmp))
         mp.setenv("WANDB_SILENT", "true")
-        mp.setattr(common, "export_lora", recording_export)
+        mp.setattr(run, "export_lora", recording_export)
         mp.setattr(huggingface_hub, "create_repo", lambda *a, **k: None)
         mp.setattr(huggingface_hub, "upload_folder", fake_upload)
         try:
-            common.run_main(nft.main, args)
+            run.run_main(nft.main, args)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -113,7 +116,7 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
     loaded = stock_sd3(trained.lora)(**call, latents=noise.clone()).images
     base = stock_sd3()(**call, latents=noise.clone()).images
     (tmp_path / "no-metadata").mkdir()
-    save_file(load_file(trained.lora / common.LORA_WEIGHTS), tmp_path / "no-metadata" / common.LORA_WEIGHTS)
+    save_file(load_file(trained.lora / run.LORA_WEIGHTS), tmp_path / "no-metadata" / run.LORA_WEIGHTS)
     halved = stock_sd3(tmp_path / "no-metadata")(**call, latents=noise.clone()).images
     # 1e-4: our encoder encodes each prompt alone (history-independent embeddings, exact resume), the pipeline all four
     # together, and CLIP's output differs between those in the last float bits (measured 1.2e-5 after 10 steps)
@@ -123,7 +126,7 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
 
 
 def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(trained):
-    with safe_open(str(trained.lora / common.LORA_WEIGHTS), "pt") as f:
+    with safe_open(str(trained.lora / run.LORA_WEIGHTS), "pt") as f:
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
         keys = list(f.keys())
     # alpha / r = 2: without it diffusers would take alpha = r (metadata keys are prefixed by the pipeline component)
@@ -133,11 +136,9 @@ def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(tr
 
 
 def test_model_card_and_folder(trained):
-    assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", common.LORA_WEIGHTS, "samples.png"]
+    assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", run.LORA_WEIGHTS, "samples.png"]
     assert not list(trained.run_dir.glob(".lora*"))  # no temp or old folder left by the atomic swap
-    assert (trained.lora / common.LORA_WEIGHTS).stat().st_mode & 0o044 == (
-        trained.run_dir / "args.json"
-    ).stat().st_mode & 0o044
+    assert (trained.lora / run.LORA_WEIGHTS).stat().st_mode & 0o044 == (trained.run_dir / "args.json").stat().st_mode & 0o044
     assert trained.exports == 1  # save_every 10 > 1 epoch: only the final save
     card = (trained.lora / "README.md").read_text()
     config = json.loads((trained.run_dir / "args.json").read_text())
@@ -175,7 +176,7 @@ def test_readme_use_your_trained_model_snippet_runs(trained, tmp_path, monkeypat
 def test_push_to_hub_uploads_the_exported_folder(trained):
     (upload,) = trained.uploads
     assert upload["repo_id"] == "someone/tiny-lora" and Path(upload["folder_path"]) == trained.lora
-    assert upload["files"] == ["README.md", common.LORA_WEIGHTS, "samples.png"]
+    assert upload["files"] == ["README.md", run.LORA_WEIGHTS, "samples.png"]
 
 
 def test_bad_integration_flags_stop_before_main_with_one_line(monkeypatch, capsys):
@@ -184,7 +185,7 @@ def test_bad_integration_flags_stop_before_main_with_one_line(monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "wandb", None)  # wandb not installed: `import wandb` raises ImportError
     for args in bad:
         with pytest.raises(SystemExit) as e:
-            common.run_main(called.append, args)
+            run.run_main(called.append, args)
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: --")
@@ -202,9 +203,9 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
     args = SimpleNamespace(model="m", reward="shapes", run_name="r", lora_targets=("to_q",), lora_rank=16, lora_alpha=32.0)
     out = tmp_path / "lora"
     doc = "Algo, arXiv 1\n\nmore"
-    common.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
+    run.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
     (out / "stale.txt").write_text("from an older export")
-    common.export_lora(
+    run.export_lora(
         out,
         trained.pipe,
         transformer,
@@ -215,9 +216,9 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
         weights_name="the eval EMA",
         samples=torch.zeros(3, 4, 6),
     )
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", common.LORA_WEIGHTS, "samples.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", run.LORA_WEIGHTS, "samples.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]
-    with safe_open(str(out / common.LORA_WEIGHTS), "pt") as f:
+    with safe_open(str(out / run.LORA_WEIGHTS), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), torch.full_like(f.get_tensor(k), 0.5)) for k in f.keys())
     for p, v in zip(params, live):
         assert torch.equal(p, v)
@@ -232,9 +233,9 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
     """FLUX.1-dev layout (tiny, random): a LoRA with random non-zero B exported, loaded by FluxPipeline.load_lora_weights."""
     from diffusers import FluxPipeline
 
-    pipe = common.load_pipeline(flux_pipeline_dirs["dev"], torch.device("cpu"))
+    pipe = models.load_pipeline(flux_pipeline_dirs["dev"], torch.device("cpu"))
     torch.manual_seed(0)
-    params = common.add_lora(pipe.transformer, 4, 8.0, ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj"))
+    params = models.add_lora(pipe.transformer, 4, 8.0, ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj"))
     with torch.no_grad():
         for n, p in pipe.transformer.named_parameters():
             if "lora_B" in n:
@@ -249,7 +250,7 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
         lora_rank=4,
         lora_alpha=8.0,
     )
-    out = common.export_lora(tmp_path / "lora", pipe, pipe.transformer, args, "FLUX test", 0)
+    out = run.export_lora(tmp_path / "lora", pipe, pipe.transformer, args, "FLUX test", 0)
     assert "from diffusers import FluxPipeline" in (out / "README.md").read_text()
 
     steps, guidance = 3, 3.5
@@ -329,9 +330,9 @@ def test_busy_cpu_hint(monkeypatch, omp, threads, load, hint):
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(common.os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    note = common.busy_cpu_hint()
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    note = distributed.busy_cpu_hint()
     assert (note is not None) == hint
     if hint:
         assert "\n" not in note and "load 2.9 on 2 cores" in note and "OMP_NUM_THREADS" in note
@@ -350,7 +351,7 @@ def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
         lora_alpha=64.0,
     )
     evals = {"eval/pickscore": (0.91, 640), "eval/shapes_exact": (0.25, 640), "eval/ocr/colours": (0.5, 640)}
-    card = common.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
+    card = run.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
     assert card.startswith("---\nlibrary_name: diffusers\n") and "base_model: stabilityai/stable-diffusion-3.5-medium" in card
     for k, (v, _) in evals.items():
         assert f"| {k} | {v:.4f} |" in card
@@ -368,7 +369,7 @@ def test_a_failed_push_is_one_warning_line(trained, monkeypatch, capsys):
         raise OSError("no network\nsecond line")
 
     monkeypatch.setattr(huggingface_hub, "create_repo", offline)
-    assert common.push_to_hub(trained.lora, "someone/tiny-lora") is None
+    assert run.push_to_hub(trained.lora, "someone/tiny-lora") is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --push-to-hub someone/tiny-lora failed (no network)")
     assert f"hf upload someone/tiny-lora {trained.lora} ." in err[0]
@@ -377,10 +378,10 @@ def test_a_failed_push_is_one_warning_line(trained, monkeypatch, capsys):
 def test_eval_ema_is_what_gets_exported():
     """With --eval-ema-decay the scripts export the EMA (what their evals report); without it, the trained weights."""
     params = [torch.zeros(3, requires_grad=True)]
-    ema = common.EvalEMA(params, 0.9)
+    ema = models.EvalEMA(params, 0.9)
     with torch.no_grad():
         params[0].fill_(1.0)
     ema.update(1000)
     kwargs = ema.export()
     assert kwargs["weights"][0].tolist() == pytest.approx([0.1] * 3) and kwargs["weights_name"] == "the eval EMA (decay 0.9)"
-    assert common.EvalEMA(params, 0.0).export() == {}
+    assert models.EvalEMA(params, 0.0).export() == {}

@@ -9,6 +9,7 @@ import torch
 from conftest import ode_sample, run_script
 
 import common
+import models
 from models import flux
 
 PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
@@ -16,7 +17,7 @@ PROMPTS = ["a red circle", "a blue square and a red circle", "a square"]
 
 @pytest.fixture(scope="module")
 def pipes(flux_pipeline_dirs):
-    return {k: common.load_pipeline(v, torch.device("cpu")) for k, v in flux_pipeline_dirs.items()}
+    return {k: models.load_pipeline(v, torch.device("cpu")) for k, v in flux_pipeline_dirs.items()}
 
 
 def test_load_pipeline_detects_flux_and_sets_the_unpacked_latent_shape(flux_pipeline_dirs, pipes):
@@ -24,12 +25,12 @@ def test_load_pipeline_detects_flux_and_sets_the_unpacked_latent_shape(flux_pipe
     assert type(pipe.pipe).__name__ == "FluxPipeline" and pipe.family is flux.FAMILY
     assert pipe.latent_shape == (4, 16, 16)  # the VAE's layout; the transformer sees 8 x 8 tokens of 16 channels
     assert pipe.tokens == 64 and not hasattr(pipe.scheduler, "image_seq_len")  # the record holds it, not the scheduler
-    small = common.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=32)
+    small = models.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=32)
     assert small.latent_shape == (4, 8, 8) and small.tokens == 16
     with pytest.raises(common.UserError, match="multiple of 8"):  # VAE factor 4 x the 2x2 packing
-        common.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=36)
+        models.load_pipeline(flux_pipeline_dirs["schnell"], torch.device("cpu"), resolution=36)
     with pytest.raises(common.UserError, match="no such pipeline folder"):
-        common.load_pipeline(flux_pipeline_dirs["dev"] + "-missing", torch.device("cpu"))
+        models.load_pipeline(flux_pipeline_dirs["dev"] + "-missing", torch.device("cpu"))
 
 
 def test_pack_latents_matches_flux_pipeline_and_inverts():
@@ -95,7 +96,7 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
     transformer = copy.deepcopy(pipe.transformer)
     # the algos' default targets, named after SD3's joint attention
     targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-    params = common.add_lora(transformer, rank=4, alpha=4, target_modules=targets)
+    params = models.add_lora(transformer, rank=4, alpha=4, target_modules=targets)
     wrapped = {n.split(".lora_")[0] for n, _ in transformer.named_parameters() if "lora_A" in n}
     assert any(n.startswith("single_transformer_blocks.") for n in wrapped)  # single blocks: to_q/k/v (no to_out there)
     assert {n.rsplit("attn.", 1)[1] for n in wrapped} == set(targets)
@@ -108,7 +109,7 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
         for p in params:
             p.add_(0.05)
         assert not torch.allclose(common.velocity(transformer, x, 0.5, cond, 3.5), base)
-        with common.reference_model(transformer):
+        with models.reference_model(transformer):
             torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond, 3.5), base)
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import common
 import models
+import run
 from models import flux
 
 FRAMES = 5  # Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2)
@@ -40,7 +41,7 @@ def family_dirs(tmp_path_factory, random_pipeline_dir, flux_pipeline_dirs):
 # peft's LoRA layer (ours, fp32 master weights) against diffusers' loaded one: the same weights, summed in another order
 LORA_TOL = 1e-5
 # family -> (builder, pixels, max abs tolerance on images in [0, 1]); the pipeline is called as the exported model card
-# says (`common.card_call`: each family's guidance keyword, scheduler and grid)
+# says (`run.card_call`: each family's guidance keyword, scheduler and grid)
 FAMILIES = {
     # one batched 2B call, as the pipeline; the pipeline's default grid is not ours: the card passes our sigmas: measured 0.0
     "sd3": ("sd3", 64, 1e-5),
@@ -89,13 +90,13 @@ def pipeline_latents(pipe, noise):
 def load(family, family_dirs, setting="cfg"):
     builder, pixels, _ = FAMILIES[family]
     wide = SETTINGS[setting].get("wide")
-    return common.load_pipeline(
+    return models.load_pipeline(
         family_dirs(builder), CPU, resolution=pixels, width=2 * pixels if wide else None, num_frames=frames(family)
     )
 
 
 def card_settings(pipe, steps, guidance_scale, negative_prompt, max_sequence_length):
-    """`common.card_call`'s settings for the size `pipe` was loaded at."""
+    """`run.card_call`'s settings for the size `pipe` was loaded at."""
     size = common.decode(pipe, torch.zeros(1, *pipe.latent_shape)).shape[-2:]  # pixels, whatever the latent layout
     return dict(
         num_steps=steps,
@@ -110,7 +111,7 @@ def card_settings(pipe, steps, guidance_scale, negative_prompt, max_sequence_len
 
 def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) -> float:
     """Max abs difference between our ODE sampler's images and `stock.__call__`'s, called as the model card says
-    (`common.card_call`), with the same noise."""
+    (`run.card_call`), with the same noise."""
     guidance, negative = SETTINGS[setting]["guidance_scale"], SETTINGS[setting].get("negative_prompt", "")
     noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe, negative_prompt=negative)
@@ -123,7 +124,7 @@ def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) ->
         noise=noise,
     )
     ours = common.decode(pipe, out.latents)
-    setup, call, output = common.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
+    setup, call, output = run.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
     scope = {"pipe": stock, "np": np, "torch": torch, "prompt": list(PROMPTS)}  # ZImagePipeline rewrites its lists: copies
     exec("\n".join(setup), scope)
     kwargs = {k: eval(v, scope) for k, v in call.items()}
@@ -179,7 +180,7 @@ def train(algo: str, family: str, family_dirs, tmp_path):
         output_dir=str(tmp_path / "runs"),
         **per_algo,
     )
-    pipes, export = [], common.export_lora
+    pipes, export = [], run.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
         pipes.append(pipe)
@@ -187,9 +188,9 @@ def train(algo: str, family: str, family_dirs, tmp_path):
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the run installs its own
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "export_lora", recording_export)
+        mp.setattr(run, "export_lora", recording_export)
         try:
-            common.run_main(module.main, args)
+            run.run_main(module.main, args)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -288,13 +289,13 @@ def test_sd3_lora_targets_skip_the_second_self_attention_of_sd35_medium():
         return {n.rsplit(".lora_A", 1)[0] for n, _ in t.named_parameters() if ".lora_A" in n}
 
     t = build()
-    params = common.add_lora(t, 4, 8.0, None)  # the scripts' default: the family's list
+    params = models.add_lora(t, 4, 8.0, None)  # the scripts' default: the family's list
     ours = adapted(t)
     assert len(ours) == 24 * 7 + 23 and len(params) == 2 * len(ours)
     assert not any(".attn2." in m for m in ours)
     assert sum(p.numel() for p in params) == len(ours) * 4 * (16 + 16)  # every projection here is 16 -> 16
     bare = build()
-    common.add_lora(bare, 4, 8.0, [t.split("attn.", 1)[1] for t in models.sd3.FAMILY.lora_targets])
+    models.add_lora(bare, 4, 8.0, [t.split("attn.", 1)[1] for t in models.sd3.FAMILY.lora_targets])
     assert len(adapted(bare)) == len(ours) + 13 * 4 and adapted(bare) - ours == {
         f"transformer_blocks.{b}.attn2.{p}" for b in range(13) for p in ("to_q", "to_k", "to_v", "to_out.0")
     }
@@ -334,11 +335,11 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
     import diffusers
 
-    assert common.pipeline_class(hub_id) == expected and expected in common.FAMILIES
+    assert models.pipeline_class(hub_id) == expected and expected in common.FAMILIES
     family = common.FAMILIES[expected]
     assert hasattr(diffusers, expected) and hasattr(diffusers, family.transformer)  # names diffusers really has
     with pytest.raises(common.UserError, match="cannot tell its family"):
-        common.pipeline_class("someone/unknown-model")
+        models.pipeline_class("someone/unknown-model")
 
 
 def test_euler_scheduler_replaces_a_multistep_solver_at_its_flow_shift():
@@ -372,7 +373,7 @@ def test_cogview4_time_is_the_unshifted_sigma():
 def test_sana_negative_prompt_is_encoded_without_the_instruction_and_cached(family_dirs):
     """SanaPipeline encodes the negative prompt without its complex human instruction; so does `negative`, cached
     apart from the same text used as a prompt (precompute fills both, e.g. before the encoders are offloaded)."""
-    pipe = common.load_pipeline(family_dirs("sana"), CPU, resolution=32)
+    pipe = models.load_pipeline(family_dirs("sana"), CPU, resolution=32)
     enc = common.PromptEncoder(pipe, max_sequence_length=16)
     enc.precompute(["a square"])
     assert ("negative", "") in enc.cache and "" in enc.cache
@@ -397,7 +398,7 @@ def test_cogview4_text_is_padded_as_the_pipeline_pads_its_batch(family_dirs, max
     """CogView4Pipeline pads a batch to its longest prompt (cut at max_sequence_length) rounded up to 16 and GLM sees
     that padding: PromptEncoder gives each prompt the embedding it has in the pipeline's batch, and the negative prompt
     the one of [""] * B."""
-    pipe = common.load_pipeline(family_dirs("cogview4"), CPU, resolution=64)
+    pipe = models.load_pipeline(family_dirs("cogview4"), CPU, resolution=64)
     enc = common.PromptEncoder(pipe, max_sequence_length=max_sequence_length)
     cond = enc.cond(PROMPTS)
     ref, ref_neg = pipe.encode_prompt(

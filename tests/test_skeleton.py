@@ -36,7 +36,7 @@ def test_the_shared_plumbing_is_under_banners():
     """The loop's shared pieces -- resume and save, the optimizer step with its non-finite-gradient guard, the logging
     block -- are inside `# TRY NOT TO MODIFY:` blocks, so the identity test below covers them."""
     text = "\n".join(shared_blocks(ALGOS[0]))
-    for piece in ("common.restore_state(", "common.save_state(", "common.apply_gradients(", "logger.scalars(metrics"):
+    for piece in ("run.restore_state(", "run.save_state(", "run.apply_gradients(", "logger.scalars(metrics"):
         assert piece in text, piece
 
 

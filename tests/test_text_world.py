@@ -6,6 +6,7 @@ import torch
 from conftest import run_script
 
 import common
+import models
 from assets import text_world
 from rewards import ocr
 
@@ -54,7 +55,7 @@ def test_shipped_tokenizer_spells_quoted_words():
 def base_samples():
     """The base tiny-text model's held-out eval images, exactly as the scripts' eval samples them (ODE, 10 steps,
     CFG 1, fixed noise, one image per prompt)."""
-    pipe = common.load_pipeline(TINY_TEXT, torch.device("cpu"))
+    pipe = models.load_pipeline(TINY_TEXT, torch.device("cpu"))
     prompts = common.load_prompts(str(TEXT_TEST))
     images, _ = common.evaluate(
         pipe,

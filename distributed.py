@@ -1,0 +1,157 @@
+"""Multi-process plumbing: torchrun sets the environment; a single process runs the same code with
+world size 1. An epoch's samples are laid out so that N ranks compute what one process computes (`batch_layout`,
+`rank_indices`)."""
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from common import UserError
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed: torchrun sets the env; a single process runs the same code with world_size 1
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: Optional[str] = None) -> Dist:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:  # a bare "cuda" means this rank's GPU (set_device needs an index)
+        dev = torch.device("cuda", local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, world_size, local_rank, dev)
+
+
+def check_device(device: Optional[str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available to this torch ({torch.__version__}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: MPS is not available; use --device cpu")
+    return dev
+
+
+def busy_cpu_hint() -> Optional[str]:
+    """A one-line hint when torch's CPU threads (default: one per core) must share the cores with other work.
+
+    OpenMP threads that wait for a descheduled sibling make every op slow: on 2 busy cores (load 5.7) a tiny-shapes
+    training step took 1.1-5.2 s with 2 threads and 0.24-0.29 s with 1. Only a hint, not a change of the thread
+    count: results must not depend on the machine's load. None when OMP_NUM_THREADS is set (torchrun sets it)."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+        return None
+    threads, load = torch.get_num_threads(), os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > 1 and load + threads > cores + 0.5:
+        return (
+            f"note: the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads, which can be "
+            f"several times slower than one here; set OMP_NUM_THREADS (e.g. OMP_NUM_THREADS=1) to choose"
+        )
+    return None
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (identity when not distributed)."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x
+
+
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally-shaped tensors from all ranks along dim 0, in rank order."""
+    if not dist.is_initialized():
+        return x
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def check_same_on_all_ranks(params: Sequence[torch.Tensor]):
+    """Trainable weights must start identical on every rank (seeding alone is not a guarantee)."""
+    if not dist.is_initialized():
+        return
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().view(1)
+    gathered = all_gather_cat(checksum.to(params[0].device))
+    if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
+        raise UserError(f"trainable weights differ across ranks at start (checksums {gathered.tolist()})")
+
+
+def batch_layout(total: int, grad_steps: int, world_size: int, micro_batch: int) -> int:
+    """Checks the epoch's batch geometry; returns the per-rank samples per optimizer step.
+
+    The epoch's `total` samples are cut into `grad_steps` contiguous chunks (one optimizer step each) and every
+    chunk into `world_size` contiguous slices (one per rank), each a whole number of micro-batches."""
+    if total % (grad_steps * world_size):
+        raise UserError(
+            f"grad_steps_per_epoch x world size ({grad_steps} x {world_size}) must divide the images per epoch ({total})"
+        )
+    per_rank_step = total // (grad_steps * world_size)
+    if per_rank_step % micro_batch:
+        raise UserError(f"micro_batch ({micro_batch}) must divide the per-rank images per optimizer step ({per_rank_step})")
+    return per_rank_step
+
+
+def rank_indices(total: int, grad_steps: int, world_size: int, rank: int) -> torch.Tensor:
+    """The global sample indices a rank works on, in its processing order (see `batch_layout`).
+
+    With this layout optimizer step s averages the same samples on any number of ranks, and a rank's micro-batch
+    is always one of the single-process micro-batches, so N ranks compute what one process computes."""
+    step = total // grad_steps
+    per = step // world_size
+    return torch.cat([torch.arange(s * step + rank * per, s * step + (rank + 1) * per) for s in range(grad_steps)])
+
+
+def gather_samples(x: torch.Tensor, total: int, grad_steps: int) -> torch.Tensor:
+    """All ranks' per-sample values (laid out by `rank_indices`) -> the epoch's [total] tensor in global order."""
+    if not dist.is_initialized():
+        return x
+    world = dist.get_world_size()
+    gathered = all_gather_cat(x)
+    order = torch.cat([rank_indices(total, grad_steps, world, r) for r in range(world)]).to(gathered.device)
+    out = torch.empty_like(gathered)
+    out[order] = gathered
+    return out
+
+
+def gather_scores(scores: dict, total: int, grad_steps: int) -> dict:
+    """`gather_samples` for every reward of a {name: [local B]} dict (on the CPU, where the rewards' statistics run)."""
+    out = {}
+    for name, value in scores.items():
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            value = value.cuda()
+        out[name] = gather_samples(value.float(), total, grad_steps).cpu()
+    return out
+
+
+def cleanup_distributed():
+    if dist.is_initialized():
+        dist.barrier()  # without it a rank can abort at exit while another is still tearing down
+        dist.destroy_process_group()

@@ -1,0 +1,1363 @@
+"""Run management shared by the five scripts: flag checks and resume, the run folder and its lock, logging,
+checkpoints, the exported LoRA with its model card, and the hub upload."""
+
+import contextlib
+import dataclasses
+import errno
+import inspect
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+import types
+import typing
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from common import FAMILIES, REPO, UserError, evaluate
+from distributed import all_reduce_mean, busy_cpu_hint, check_device
+from models import EvalEMA, check_model_folder, compile_unavailable, pipeline_config, swapped_weights
+
+
+def run_main(main, args, argv: Optional[Sequence[str]] = None):
+    """Run `main(args)`, turning `UserError` into a one-line message and exit code 2, and Ctrl-C before training
+    (while the model loads; after that `GracefulStop` handles it) into one line and exit code 130.
+
+    `argv`: the command line `args` was parsed from (default `sys.argv[1:]`); `start_run` reads from it which flags
+    were given, to compare them with a resumed run's."""
+    import signal
+
+    _CLI["argv"] = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_integrations(args)
+        main(args)
+        if _RUN.get("stop_signal") == signal.SIGTERM:
+            # stopped by a scheduler (Slurm, Kubernetes) after a clean checkpoint: 128 + signal, as a process killed by
+            # it would report, so that the scheduler does not take the run for finished
+            sys.exit(128 + signal.SIGTERM)
+    except UserError as e:
+        print(f"error: {e}" + (f"; {resume_hint()}" if getattr(e, "resumable", False) else ""), file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:  # anything else is a bug to see whole
+            raise
+        print(f"error: no space left on device ({e.filename or e}); the last complete checkpoint is kept", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        release_run_locks()
+        _CLI["argv"] = None
+
+
+def resume_hint() -> str:
+    """How the current run goes on after a failure: its last checkpoint, or that there is none yet."""
+    run_dir = _RUN.get("run_dir")
+    last = Path(run_dir or ".") / "checkpoints" / "last"
+    if run_dir is None or not last.is_dir():
+        return "no checkpoint was saved yet"
+    return f"--resume {run_dir} goes on from its last checkpoint ({last.resolve().name})"
+
+
+class GracefulStop:
+    """First Ctrl-C (or SIGTERM): finish the current epoch, checkpoint and exit cleanly (exit code 0 after Ctrl-C,
+    143 after SIGTERM); a second Ctrl-C aborts."""
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        self._default = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _RUN["stop_signal"] = signum  # run_main exits 143 after a SIGTERM
+        print("\nstop requested: finishing this epoch, then saving a checkpoint (Ctrl-C again to abort)", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs: seeding, logging, checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int, torch_deterministic: bool = True):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def rng_state() -> dict:
+    """The global RNG states as tensors and plain python values, so that they load with `torch.load(weights_only=True)`."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs: checks before anything loads, fresh and resumed runs, one writer per run folder
+# ----------------------------------------------------------------------------------------------------------------
+# flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
+# `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
+SAFE_OVERRIDES = (
+    "num_epochs",
+    "eval_every",
+    "save_every",
+    "keep_checkpoints",
+    "gradient_checkpointing",
+    "overlap_reward",
+    "compile",
+    "eval_num_steps",
+    "eval_guidance_scale",
+    "eval_noises",
+)
+
+
+# where the run sends data or the model: only ever from this command line. A checkpoint is a file anyone can hand you,
+# and one that set --push-to-hub would publish the trained weights to any repo your token can write.
+REMOTE_TARGETS = ("track", "wandb_project_name", "wandb_entity", "push_to_hub")
+
+
+NOT_RESTORED = ("device", "output_dir", "resume", "run_name", *REMOTE_TARGETS)
+
+
+CHECKPOINT_KEYS = (  # what `save_state` writes (`save_checkpoint` adds format, algo; tensor_layout is read away)
+    "params",
+    "optimizer",
+    "snapshots",
+    "eval_ema",
+    "prompt_gen",
+    "rng",
+    "epoch",
+    "step",
+    "images_seen",
+    "args",
+    "sampler",
+    "format",
+    "algo",
+)
+
+
+_CLI = {"argv": None}  # the command line of the current `run_main`
+
+
+_RUN = {}  # the current run: "algo" (the script's name, stored in every checkpoint), "resume_record"
+
+
+_LOCKS = {}  # run folder -> open lock file, held until `release_run_locks`
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args, fresh: bool = True):
+    """The checks that need no model, on the fields the five scripts share (each script checks its own after this):
+    every bad value fails here, with one line, before anything is loaded or written."""
+    fields = vars(args)
+    for name, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{_flag(name)} {value}: must be a finite number")
+    positive = (
+        "num_epochs",
+        "eval_every",
+        "save_every",
+        "num_prompts",
+        "micro_batch",
+        "grad_steps_per_epoch",
+        "num_steps",
+        "lora_rank",
+        "num_inner_epochs",
+        "num_train_timesteps",
+        "lora_alpha",
+        "max_grad_norm",
+        "eval_noises",
+    )
+    for name in positive:
+        if name in fields and fields[name] <= 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
+    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip"):
+        if name in fields and fields[name] is not None and fields[name] < 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
+    if fields.get("seed", 0) < 0:
+        raise UserError(f"--seed {args.seed}: must be >= 0")
+    if fields.get("eval_num_steps") is not None and args.eval_num_steps <= 0:
+        raise UserError(f"--eval-num-steps {args.eval_num_steps}: must be > 0")
+    for name, value in fields.items():  # the snapshot/EMA decay schedules, `<snapshot>_decay_*` in the scripts (get_decay)
+        if name.endswith(("_decay_start", "_decay_max")) and not 0 <= value <= 1:
+            raise UserError(f"{_flag(name)} {value}: must be in [0, 1] (0 = hard copy of the weights, 1 = frozen)")
+        if name.endswith(("_decay_ramp", "_decay_flat_steps")) and value < 0:
+            raise UserError(f"{_flag(name)} {value}: must be >= 0")
+    if fields.get("eval_guidance_scale") is not None and args.eval_guidance_scale < 1:
+        raise UserError(f"--eval-guidance-scale {args.eval_guidance_scale}: must be >= 1 (1 = no CFG)")
+    if not 0 <= fields.get("eval_ema_decay", 0) < 1:
+        raise UserError(f"--eval-ema-decay {args.eval_ema_decay}: must be in [0, 1) (0 = off)")
+    for name in ("eval_ema_interval", "eval_ema_repeats"):
+        if fields.get(name, 1) < 1:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be >= 1")
+    if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
+        raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
+    reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
+    if reason:
+        raise UserError(f"--compile: {reason}; run without --compile (eager)")
+    for name in ("height", "width", "num_frames", "max_sequence_length"):
+        if fields.get(name) is not None and fields[name] <= 0:
+            raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
+    if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
+        raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
+    if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
+        raise UserError("--lora-targets: name at least one module")
+    check_device(args.device)
+    model = Path(args.model).expanduser()
+    if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
+        if not (model / "model_index.json").is_file():
+            raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
+        check_model_folder(model, args.model)
+        for name in ("resolution", "height", "width"):
+            if fields.get(name) is not None:
+                check_resolution(model, fields[name], name)
+    elif args.resolution is not None and args.resolution <= 0:
+        raise UserError(f"--resolution {args.resolution}: must be > 0")
+    config = pipeline_config(args.model)
+    family = FAMILIES.get(config.get("_class_name"))
+    if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
+        raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
+    if family is not None and family.check is not None:
+        family.check(config, args)
+    if fresh:
+        name = getattr(args, "exp_name", "x")
+        # the run folder is <output-dir>/<reward>__<exp-name>__...: a separator or ".." would put it elsewhere
+        if not name or "/" in name or os.sep in name or name in (".", "..") or "\0" in name:
+            raise UserError(f"--exp-name {name!r}: must be a plain name (no '/'), the run folder stays in --output-dir")
+        out = Path(args.output_dir).expanduser()
+        parent = out
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir() or not writable(parent):
+            raise UserError(
+                f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)"
+            )
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be created in `folder`, found by creating (and removing) one: the mode bits that
+    os.access reads say nothing for root, nor on a root-squashed NFS or a read-only bind mount seen from outside."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".cleanflow-write-check-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def check_resolution(model: Path, resolution: int, name: str = "resolution"):
+    """`load_pipeline`'s resolution check (of --resolution, --height or --width: `name`) from the folder's configs
+    alone, before the model loads."""
+    if resolution <= 0:
+        raise UserError(f"--{name} {resolution}: must be > 0")
+    try:
+        vae = json.loads((model / "vae" / "config.json").read_text())
+        transformer = json.loads((model / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # load_pipeline reports it
+    factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
+    if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
+        factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
+    patch = (
+        2
+        if "Flux" in transformer.get("_class_name", "")
+        else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    )
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
+    if resolution % (factor * patch) or resolution < factor * patch:
+        raise UserError(f"{name} {resolution} must be a multiple of {factor * patch}")
+    max_patches = transformer.get("pos_embed_max_size")  # SD3's learned position table: patches per side
+    if max_patches and resolution // (factor * patch) > max_patches:
+        raise UserError(
+            f"--{name} {resolution}: beyond the transformer's position embeddings ({max_patches} patches per side, "
+            f"at most {max_patches * factor * patch} pixels)"
+        )
+
+
+def given_flags(args) -> set:
+    """The fields the user set: named on the command line (`run_main`'s argv), or different from the defaults
+    (for a `main(args)` called in-process)."""
+    names = {f.name for f in dataclasses.fields(args)}
+    defaults = type(args)()
+    given = {n for n in names if _plain_json(getattr(args, n)) != _plain_json(getattr(defaults, n))}
+    for token in _CLI["argv"] or []:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            if name not in names and name.startswith("no_") and name[3:] in names:
+                name = name[3:]  # tyro's --no-<flag> for booleans
+            if name in names:
+                given.add(name)
+    return given
+
+
+def _plain_json(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+# Args renamed since checkpoints were first written: the old name -> today's, so that those runs resume with their own
+# settings (the decay schedules became `<snapshot>_decay_start/_flat_steps/_ramp/_max` in every script)
+RENAMED_ARGS = {
+    "decay_flat_steps": "old_decay_flat_steps",  # nft
+    "decay_ramp": "old_decay_ramp",
+    "decay_max": "old_decay_max",
+    "ema_decay": "ema_decay_max",  # awm (its ema_decay_ramp kept its name)
+    "ema_ref_max_decay": "ema_ref_decay_max",  # dgpo
+    "ema_ref_ramp_rate": "ema_ref_decay_ramp",
+}
+
+
+def upgrade_saved_args(saved: dict) -> dict:
+    """A checkpoint's Args under today's field names (`RENAMED_ARGS`), CRD's former decay strings
+    `--old-model-decay` / `--sampling-model-decay` "flat_steps-start-ramp-max" split into their four fields."""
+    saved = {RENAMED_ARGS.get(k, k): v for k, v in saved.items()}
+    for snapshot in ("old", "sampling"):
+        spec = saved.pop(f"{snapshot}_model_decay", None)
+        if spec is None:
+            continue
+        try:
+            flat_steps, start, ramp, max_decay = (float(x) for x in str(spec).split("-"))
+            assert flat_steps == int(flat_steps)
+        except (ValueError, AssertionError):
+            raise UserError(
+                f"the checkpoint's {snapshot}_model_decay {spec!r} is not flat_steps-start-ramp-max; "
+                f"pass its values as --{snapshot}-decay-flat-steps/-start/-ramp/-max"
+            )
+        saved.update(
+            {
+                f"{snapshot}_decay_start": start,
+                f"{snapshot}_decay_flat_steps": int(flat_steps),
+                f"{snapshot}_decay_ramp": ramp,
+                f"{snapshot}_decay_max": max_decay,
+            }
+        )
+    return saved
+
+
+def restore_args(args, saved: dict) -> dict:
+    """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
+    is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
+    saved = upgrade_saved_args(saved)
+    hints = typing.get_type_hints(type(args))
+    unknown = sorted(set(saved) - set(hints))
+    if unknown:
+        raise UserError(
+            f"the checkpoint's settings include {', '.join(unknown[:3])}, which {_RUN.get('algo', 'this script')}.py lacks "
+            "(another cleanflow version, or an edited checkpoint)"
+        )
+    for name, value in saved.items():
+        if name not in NOT_RESTORED and not _fits(value, hints[name]):
+            raise UserError(f"the checkpoint's {name} is {repr(value)[:40]}; {_flag(name)} takes {_type_name(hints[name])}")
+    given, overrides = given_flags(args), {}
+    for name in sorted(given - set(NOT_RESTORED)):
+        if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
+            if name not in SAFE_OVERRIDES:
+                changeable = ", ".join(_flag(n) for n in SAFE_OVERRIDES if hasattr(args, n))
+                raise UserError(
+                    f"{_flag(name)} is {saved[name]!r} in the run being resumed, {getattr(args, name)!r} given; "
+                    f"a resumed run keeps its settings (changeable: {changeable})"
+                )
+            overrides[name] = (saved[name], getattr(args, name))
+    for f in dataclasses.fields(args):
+        if f.name in saved and f.name not in NOT_RESTORED and f.name not in overrides:
+            value = saved[f.name]
+            setattr(args, f.name, tuple(value) if isinstance(value, list) else value)
+    return overrides
+
+
+def start_run(args, script_file: str) -> tuple:
+    """The first call of every script's main: checks `args`, and for `--resume` finds and loads the checkpoint,
+    checks it belongs to this script, restores the run's Args into `args` (see `restore_args`) and takes the run
+    folder's lock. Writes nothing (a fresh run's folder appears in `Logger`, once the model loaded).
+
+    Returns (run_dir, checkpoint dict or None); sets `args.run_name`."""
+    algo = Path(script_file).stem
+    _RUN.clear()
+    _RUN["algo"] = algo
+    if not args.resume:
+        check_args(args, fresh=True)
+        # the random suffix keeps runs started in the same second apart (Logger also creates the folder exclusively)
+        # a reward server's URL (http://host:8000/ocr) names a folder without its slashes: http_host:8000_ocr
+        reward = args.reward.replace("://", "_").replace("/", "_")
+        args.run_name = f"{reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
+        _RUN["run_dir"] = Path(args.output_dir) / args.run_name
+        return _RUN["run_dir"], None
+    run_dir, ckpt_dir = find_checkpoint(args.resume)
+    ckpt = load_checkpoint(ckpt_dir)
+    if ckpt.get("algo") != algo:
+        raise UserError(
+            f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py"
+        )
+    check_checkpoint_fields(ckpt, ckpt_dir)
+    overrides = restore_args(args, ckpt["args"])
+    check_args(args, fresh=False)
+    if args.num_epochs <= ckpt["epoch"]:
+        raise UserError(f"{ckpt_dir} is at epoch {ckpt['epoch']}; pass --num-epochs > {ckpt['epoch']} to train on")
+    args.run_name = run_dir.name
+    _RUN["checkpoint"], _RUN["run_dir"] = ckpt_dir, run_dir
+    if int(os.environ.get("RANK", "0")) == 0:
+        if not writable(run_dir) or not writable(run_dir / "checkpoints"):
+            raise UserError(f"--resume {args.resume}: the run folder {run_dir} is not writable")
+        lock_run(run_dir)
+        clean_stale_temps(run_dir)
+        defaults = type(args)()
+        for name in REMOTE_TARGETS:  # never taken from the checkpoint: say what the run had, so the user can ask again
+            saved, now = ckpt["args"].get(name), getattr(args, name, None)
+            if hasattr(args, name) and saved not in (None, getattr(defaults, name)) and saved != now:
+                had = _flag(name) if saved is True else f"{_flag(name)} {saved}"
+                print(f"note: the run had {had}; a checkpoint never sets where data goes: pass it again", file=sys.stderr)
+    _RUN["resume_record"] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": str(ckpt_dir),
+        "epoch": ckpt["epoch"],
+        "overrides": {k: {"saved": a, "now": b} for k, (a, b) in overrides.items()},
+        "argv": _CLI["argv"],
+    }
+    return run_dir, ckpt
+
+
+def lock_run(run_dir: Path):
+    """An exclusive lock on <run>/.lock, held while this process lives (or until `release_run_locks`): a second process
+    writing the same run would interleave checkpoints and log every scalar twice."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    if str(run_dir.resolve()) in _LOCKS:
+        return
+    try:
+        f = open(run_dir / ".lock", "a")
+    except OSError as e:
+        raise UserError(f"run folder {run_dir}: cannot open its lock file ({e.strerror})")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(f"run {run_dir} is in use by another process (its .lock is held); wait for it to end or stop it first")
+    _LOCKS[str(run_dir.resolve())] = f
+
+
+def release_run_locks():
+    while _LOCKS:
+        _LOCKS.popitem()[1].close()
+
+
+class Logger:
+    """TensorBoard scalars and captioned image grids under runs/<run_name>/; a no-op on ranks other than 0.
+
+    With `args.track` the run is mirrored to wandb (CleanRL's `--track`): `wandb.init(sync_tensorboard=True)` before
+    the SummaryWriter exists patches it, so every scalar and image written here also goes to wandb. The newest value
+    of every scalar and the newest grid of every image tag are kept (`last_scalars`, `last_images`) for the model card."""
+
+    def __init__(self, run_dir: Path, args, enabled: bool = True):
+        """A fresh run: creates the run folder (exclusively: never someone else's), locks it, writes args.json. A resumed
+        run (`start_run` locked it): appends a record to resumes.jsonl instead, args.json stays as the run began."""
+        self.enabled, self.run_dir = enabled, Path(run_dir)
+        self.writer = self.wandb = None
+        self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([H, W, 3] uint8 grid, captions, step)
+        if not enabled:
+            return
+        rng = rng_state()  # created after a resume restored the RNGs: whatever wandb or TensorBoard draws is given back
+        try:
+            self._start(args)
+        finally:
+            set_rng_state(rng)
+
+    def _start(self, args):
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir = self.run_dir
+        config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        config["git_commit"] = git_commit()
+        if getattr(args, "resume", None):
+            with open(run_dir / "resumes.jsonl", "a") as f:
+                f.write(json.dumps({**_RUN.get("resume_record", {}), "git_commit": config["git_commit"]}, default=str) + "\n")
+        else:
+            try:
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                run_dir.mkdir()
+            except FileExistsError:
+                raise UserError(f"run folder {run_dir} exists already (another run of the same name); start again")
+            except OSError as e:
+                raise UserError(f"cannot create the run folder {run_dir} ({e.strerror})")
+            lock_run(run_dir)
+            config["algo"] = _RUN.get("algo")
+            (run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cpu" and (hint := busy_cpu_hint()):  # once every check passed, as training starts
+            print(hint, file=sys.stderr)
+        if getattr(args, "track", False):
+            import wandb
+
+            self.wandb = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=run_dir.name,
+                config=config,
+                sync_tensorboard=True,
+            )
+        self.writer = SummaryWriter(str(run_dir))
+        table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    def scalars(self, values: dict, step: int):
+        if self.enabled:
+            check_run_folder(self.run_dir)
+            for k, v in values.items():
+                self.writer.add_scalar(k, float(v), step)
+                self.last_scalars[k] = (float(v), step)
+
+    def images(self, tag: str, images: torch.Tensor, captions: Sequence[str], step: int, ncol: int = 8):
+        """A grid of images with each caption drawn under its image, to TensorBoard and as
+        runs/<run>/samples/<eval|train>_<images seen>.png (so that hacking, e.g. extra objects, is seen at a glance)."""
+        if not self.enabled:
+            return
+        from PIL import Image
+
+        check_run_folder(self.run_dir)
+        grid = captioned_grid(images, captions, ncol)
+        self.writer.add_image(tag, grid, step, dataformats="HWC")
+        self.writer.add_text(tag + "/captions", "\n".join(f"{i}: {cap}  " for i, cap in enumerate(captions)), step)
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        Image.fromarray(grid).save(self.run_dir / "samples" / f"{tag.split('/')[0]}_{step:07d}.png")
+        self.last_images[tag] = (grid, list(captions), step)
+
+    def close(self):
+        if self.enabled:
+            self.writer.close()
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.finish()
+                wandb.tensorboard.unpatch()  # finish() leaves SummaryWriter patched: a later run in this process would fail
+        release_run_locks()
+
+
+def check_integrations(args):
+    """The optional integrations' flags, checked before anything loads: `--track` needs wandb installed,
+    `--push-to-hub` a valid repo id."""
+    if getattr(args, "track", False):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--track needs wandb: pip install -r requirements-track.txt")
+        # wandb.init would stop with its own traceback once the run folder exists; login(prompt=False) only looks
+        if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "dryrun", "disabled") and (
+            not wandb.login(prompt=False, verify=False) and wandb.setup().settings.mode not in ("offline", "disabled")
+        ):
+            raise UserError(
+                "--track: wandb has no login here; run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline "
+                "and upload later with `wandb sync`"
+            )
+    repo_id = getattr(args, "push_to_hub", None)
+    if repo_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as e:
+            raise UserError(f"--push-to-hub {repo_id!r} is not a hub repo id (user/name): {str(e).splitlines()[0]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trained model out: a diffusers LoRA folder with a model card
+# ----------------------------------------------------------------------------------------------------------------
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
+
+
+CARD_ARGS = (
+    "model",
+    "reward",
+    "seed",
+    "num_epochs",
+    "num_prompts",
+    "group_size",
+    "learning_rate",
+    "lora_rank",
+    "lora_alpha",
+    "num_steps",
+    "guidance_scale",
+    "dynamics",
+    "eta",
+    "resolution",
+    "base_dtype",
+)
+
+
+def export_lora(
+    out_dir: Path,
+    pipe,
+    transformer,
+    args,
+    algo_doc: str,
+    epoch: int,
+    logger: Optional[Logger] = None,
+    *,
+    samples=None,
+    weights: Optional[Sequence[torch.Tensor]] = None,
+    weights_name: str = "the trained policy",
+):
+    """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
+    pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
+    then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
+
+    The adapter metadata (peft's LoraConfig: r, lora_alpha, targets) goes into the safetensors header; without it
+    diffusers assumes lora_alpha = r and would apply our alpha = 2r LoRA at half strength.
+    `weights`: other values for the trainable LoRA parameters (an EMA), in `add_lora`'s order, exported instead of the
+    live ones, which are left untouched; `weights_name` says which in the card. `logger`: its newest eval/* scalars
+    go into the card's table and its newest "eval/images" grid (captioned) becomes samples.png, unless `samples` (a [3, H, W]
+    image in [0, 1]) is given. Call it on one rank only."""
+    from peft import get_peft_model_state_dict
+
+    out_dir = Path(out_dir)
+    tmp, old = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}"), out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
+            state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+        type(pipe.pipe).save_lora_weights(
+            tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
+        )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
+        if samples is None and logger is not None and "eval/images" in logger.last_images:
+            samples = logger.last_images["eval/images"][0]
+        if samples is not None:
+            from PIL import Image
+
+            if isinstance(samples, torch.Tensor):  # [3, H, W] in [0, 1]; the logger's grids are already uint8 [H, W, 3]
+                samples = (samples.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+            Image.fromarray(samples).save(tmp / "samples.png")
+        evals = {k: v for k, v in (logger.last_scalars.items() if logger is not None else ()) if k.startswith("eval/")}
+        (tmp / "README.md").write_text(model_card(pipe, args, algo_doc, epoch, evals, weights_name, samples is not None))
+    except Exception as e:  # a full disk, a removed folder: the previous export stays, nothing half-written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError) and not disk_full(e, out_dir.parent):
+            raise  # a bug, to see whole
+        raise UserError(f"could not write the LoRA export {out_dir} ({write_error_reason(e, out_dir.parent)})") from None
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def card_call(pipe, settings: dict) -> tuple:
+    """How the stock pipeline reproduces our ODE sampler: (setup lines run after loading, {keyword: Python source} of
+    `pipe(prompt, ...)`, "images" or "frames"). `settings`: num_steps, guidance_scale, negative_prompt,
+    max_sequence_length (the encoder's), height, width (pixels or None), num_frames. What differs per family (the
+    keyword of the guidance, the scheduler, the sigma grid) is the family's `card`."""
+    g = float(settings["guidance_scale"])
+    call = {"num_inference_steps": str(settings["num_steps"]), "guidance_scale": repr(g)}
+    if g > 1:
+        call["negative_prompt"] = json.dumps(settings.get("negative_prompt") or "")
+    if settings.get("height"):
+        call["height"] = str(settings["height"])
+    if settings.get("width"):
+        call["width"] = str(settings["width"])
+    if "max_sequence_length" in inspect.signature(type(pipe.pipe).__call__).parameters:
+        call["max_sequence_length"] = str(settings["max_sequence_length"])
+    return pipe.family.card(pipe, call, settings) if pipe.family.card else ([], call, "images")
+
+
+def lora_snippet(
+    pipe_class: str, model: str, lora_dir: str, setup: list, call: dict, output: str, gpu: bool = False, no_t5: bool = False
+) -> str:
+    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`)."""
+    load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
+    load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
+    code = "\n".join([*setup, "", *call.values()])
+    imports = ["import numpy as np"] * ("np." in code) + ["import torch"] * (gpu or "torch." in code)
+    imports += [f"from diffusers import {pipe_class}"] + [x for x in setup if x.startswith(("from ", "import "))]
+    setup = "\n".join(x for x in setup if not x.startswith(("from ", "import "))).strip("\n").splitlines()
+    if output == "frames":
+        imports.append("from diffusers.utils import export_to_video")
+    kwargs = ", ".join(f"{k}={v}" for k, v in call.items())
+    save = 'export_to_video(videos[0], "sample.mp4", fps=16)' if output == "frames" else 'images[0].save("sample.png")'
+    lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+    lines += [
+        'prompt = ["a red circle"]',
+        f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
+    ]
+    return "\n".join(lines + [save]) + "\n"
+
+
+def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
+    """The model card of an exported LoRA: what it is, how well it scores, how it was made, how to load it."""
+    config = asdict(args) if is_dataclass(args) else dict(vars(args))
+    doc = (algo_doc or "").strip()
+    algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
+    pipe_class, model = type(pipe.pipe).__name__, str(config.get("model", ""))
+    no_t5 = pipe_class == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
+    # the scripts' Args have every field; a bare record (another caller) gets the scripts' defaults
+    settings = {k: config.get(k) or default for k, default in (("num_steps", 10), ("guidance_scale", 1.0))}
+    settings["negative_prompt"] = config.get("negative_prompt") or ""
+    settings["height"] = config.get("height") or config.get("resolution")
+    settings["width"] = config.get("width") or config.get("resolution")
+    settings["num_frames"] = config.get("num_frames") or pipe.family.num_frames
+    settings["sigma_schedule"] = config.get("sigma_schedule") or "pipeline"
+    # as long as in training (PromptEncoder): e.g. SD3 without T5 pads with 1 zero token, not the pipeline's 256
+    settings["max_sequence_length"] = pipe.family.max_sequence_length(pipe.pipe, config.get("max_sequence_length"))
+    front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
+    hub = not Path(model).expanduser().exists() and model.count("/") == 1
+    if hub:
+        front.append(f"base_model: {model}")
+    targets = ", ".join(config.get("lora_targets") or pipe.family.lora_targets)
+    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
+    lines = front + [
+        "---",
+        "",
+        f"# {config.get('run_name') or 'cleanflow LoRA'}",
+        "",
+        f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.",
+        "",
+        "| | |",
+        "|-|-|",
+        f"| base model | `{model}` |",
+        f"| algorithm | {algo} |",
+        f"| reward | `{config.get('reward')}` |",
+        f"| weights | {weights_name}, after epoch {epoch} |",
+        f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |",
+        "",
+        "## Use it",
+        "",
+        "```python",
+        snippet.rstrip(),
+        "```",
+        "",
+    ]
+    steps = sorted({step for _, step in evals.values()})
+    lines += ["## Evaluation", ""]
+    if evals:
+        lines += [
+            f"Held-out prompts (`{config.get('test_prompts')}`), ODE sampler, {config.get('num_steps')} steps, "
+            f"CFG {config.get('guidance_scale')}, after {max(steps)} training images:",
+            "",
+            "| metric | value |",
+            "|-|-|",
+        ] + [f"| {k} | {v:.4f} |" for k, (v, _) in sorted(evals.items())]
+    else:
+        lines.append("No evaluation logged yet.")
+    if has_samples:
+        lines += ["", "![samples](samples.png)"]
+    lines += ["", "## Training", "", "| argument | value |", "|-|-|"]
+    lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
+    lines += [
+        "",
+        "Every argument: `args.json` in the run folder.",
+        "",
+        f"Command: `{launcher} {shlex.join(sys.argv)}`",
+        "",
+        f"Git commit: `{git_commit()}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def push_to_hub(folder: Path, repo_id: str) -> Optional[str]:
+    """Upload an exported LoRA folder to a hub model repo (created if missing; needs `hf auth login` or HF_TOKEN).
+
+    A failed upload (no token, no network) is one warning line with the command to retry, not an exception: it comes
+    after training, and the run must still close its logs; the folder stays on disk."""
+    from huggingface_hub import create_repo, upload_folder
+
+    try:
+        create_repo(repo_id, repo_type="model", exist_ok=True)
+        url = upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"cleanflow: {folder.parent.name}")
+    except Exception as e:  # noqa: BLE001 - any hub/network failure: the run itself succeeded
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"warning: --push-to-hub {repo_id} failed ({first}); retry: hf upload {repo_id} {folder} .", file=sys.stderr)
+        return None
+    print(f"pushed {folder} to {url}")
+    return str(url)
+
+
+def captions(prompts: Sequence[str], scores: dict) -> list:
+    """One caption per image: the prompt, then its eval scores (shortened names), e.g. "a red circle" /
+    "shapes .50 strict 0 exact 0 objects 3"."""
+    short = {"shapes_strict": "strict", "shapes_exact": "exact", "shapes_clean": "clean", "ocr_strict": "strict"}
+    skip = {"objects_extra", "prompt_specific_gap"}
+    out = []
+    for i, prompt in enumerate(prompts):
+        values = " ".join(
+            f"{short.get(k, k)} {float(v[i]):.2f}".replace(".00", "").replace(" 0.", " .")
+            for k, v in scores.items()
+            if k not in skip
+        )
+        out.append(f"{prompt} | {values}")
+    return out
+
+
+def captioned_grid(images: torch.Tensor, captions: Sequence[str], ncol: int = 8, scale: int = 2) -> np.ndarray:
+    """images [N, 3, H, W] in [0, 1] -> uint8 [H', W', 3]: a grid, each image upscaled `scale` times (nearest) with its
+    caption wrapped under it ("prompt | scores": the prompt on the first lines, the scores on the next)."""
+    import textwrap
+
+    from PIL import Image, ImageDraw
+
+    if images.dim() == 5:  # video [N, F, 3, H, W]: its middle frame
+        images = images[:, images.shape[1] // 2]
+    n = images.shape[0]
+    ncol = min(ncol, n)
+    h, w = images.shape[2] * scale, images.shape[3] * scale
+    width = max(w, 128) + 8
+    chars = width // 6  # PIL's default bitmap font is ~6 px wide
+    wrapped = [sum((textwrap.wrap(part.strip(), chars) or [""] for part in c.split("|")), []) for c in captions]
+    lines = max((len(x) for x in wrapped), default=0)
+    cell_h = h + 4 + 11 * lines
+    canvas = Image.new("RGB", (ncol * width, -(-n // ncol) * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    for i in range(n):
+        r, k = divmod(i, ncol)
+        x0, y0 = k * width + (width - w) // 2, r * cell_h + 2
+        canvas.paste(Image.fromarray(pixels[i]).resize((w, h), Image.NEAREST), (x0, y0))
+        for j, line in enumerate(wrapped[i] if i < len(wrapped) else []):
+            draw.text((k * width + 3, y0 + h + 2 + 11 * j), line, fill="black")
+    return np.asarray(canvas)
+
+
+# A checkpoint is a folder <run>/checkpoints/epoch_<E>/ holding two files that load without unpickling code:
+#   weights.safetensors  every tensor, dict of tensors or list of tensors of the saved state (params, snapshots, EMAs)
+#   state.pt             the rest (optimizer, RNG states, counters, Args), loadable with torch.load(weights_only=True)
+# It is written as a .tmp-* folder and renamed into place, then <run>/checkpoints/last, a symlink, is pointed at it
+# (an atomic replace): a kill at any moment leaves `last` on a complete checkpoint. .tmp-* leftovers of a kill are
+# removed when the run resumes.
+CHECKPOINT_FORMAT = "cleanflow-checkpoint-1"
+
+
+WEIGHTS_FILE, STATE_FILE = "weights.safetensors", "state.pt"
+
+
+def _all_tensors(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _all_tensors(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_all_tensors(v) for v in value)
+    return False
+
+
+def _flatten(value, prefix: str, out: dict):
+    """Tensors of a nested dict/list into `out` under "prefix/key/..." names; returns the structure with the names."""
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value.detach().to("cpu", copy=True).contiguous()  # own storage: safetensors refuses shared memory
+        return prefix
+    if isinstance(value, dict):
+        return {k: _flatten(v, f"{prefix}/{k}", out) for k, v in value.items()}
+    return [_flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(value)]
+
+
+def _unflatten(layout, tensors: dict):
+    if isinstance(layout, str):
+        return tensors[layout]
+    if isinstance(layout, dict):
+        return {k: _unflatten(v, tensors) for k, v in layout.items()}
+    return [_unflatten(v, tensors) for v in layout]
+
+
+def _plain(value):
+    """What torch.load(weights_only=True) accepts: tensors, containers and python scalars (numpy -> torch/python)."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def save_checkpoint(path: Path, state: dict, keep: int = 0):
+    """Save `state` as the checkpoint folder <path's folder>/epoch_<state["epoch"]>/ and point `last` at it (see above).
+
+    `path` is <run>/checkpoints/last(.pt). Top-level entries that are tensors or dicts/lists of tensors go to
+    safetensors, whatever their name; everything else to state.pt. Keeps the newest max(keep, 1) epoch folders.
+    A failed write (disk full, file-size limit) removes what it wrote and stops the run with one line."""
+    root = Path(path).parent
+    tensors, layout, rest = {}, {}, {}
+    for key, value in state.items():
+        if key != "optimizer" and _all_tensors(value):
+            layout[key] = _flatten(value, key, tensors)
+        else:
+            rest[key] = _plain(value)
+    rest.update(format=CHECKPOINT_FORMAT, algo=_RUN.get("algo"), tensor_layout=layout)
+    name = f"epoch_{state['epoch']:06d}"
+    target, tmp, link = root / name, root / f".tmp-{name}.{os.getpid()}", root / f".tmp-last.{os.getpid()}"
+    old = None
+    try:
+        from safetensors.torch import save_file
+
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": CHECKPOINT_FORMAT})
+        torch.save(rest, tmp / STATE_FILE)
+        if target.exists():  # saved twice at one epoch (a stop after a non-finite abort): replace it
+            old = root / f".tmp-old-{name}.{os.getpid()}"
+            os.rename(target, old)
+        os.rename(tmp, target)
+        try:
+            os.symlink(name, link)
+        except OSError as e:  # a filesystem without symlinks: no `last`, resume takes the newest epoch folder
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        else:
+            os.replace(link, root / "last")
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        link.unlink(missing_ok=True)
+        if old is not None and not target.exists():
+            os.rename(old, target)
+        if isinstance(e, Exception):  # OSError, torch's RuntimeError, SafetensorError: ENOSPC, EFBIG, EIO, ...
+            reason = write_error_reason(e, root)
+            raise UserError(
+                f"could not write the checkpoint {target} ({reason}); nothing half-written is left, "
+                f"the previous checkpoint is intact"
+            ) from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    saved = sorted(p for p in root.glob("epoch_*") if p.is_dir() and not p.name.startswith("."))
+    for stale in saved[: -max(keep, 1)]:
+        if stale != target:  # renamed away first (atomic), so a kill mid-delete never leaves a half-deleted epoch_<E>
+            doomed = root / f".tmp-old-{stale.name}.{os.getpid()}"
+            os.rename(stale, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def find_checkpoint(resume: str) -> tuple:
+    """`--resume` -> (run folder, checkpoint folder). A run folder means its newest checkpoint (`last`). A checkpoint
+    folder must sit in a run folder (<run>/checkpoints/<name>, with <run>/args.json): a copied-out checkpoint has no
+    run folder to continue, and its parent folders are not one."""
+    p = Path(resume).expanduser()
+    if not p.exists():
+        raise UserError(f"--resume {resume}: no such run folder or checkpoint")
+    if p.is_file():
+        if p.name in (WEIGHTS_FILE, STATE_FILE):
+            p = p.parent
+        elif p.suffix == ".pt":
+            raise UserError(
+                f"--resume {resume}: a pickled checkpoint of an older cleanflow; it is not loaded (unpickling "
+                "can run code) -- checkpoints are now folders checkpoints/epoch_<E>/"
+            )
+        else:
+            raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
+    if (p / "checkpoints").is_dir() or (p / "args.json").is_file():  # a run folder
+        run_dir, root = p, p / "checkpoints"
+        if (root / "last").is_dir():
+            ckpt_dir = root / (root / "last").resolve().name
+        else:  # `last` missing: the newest complete checkpoint folder
+            saved = sorted(c for c in root.glob("epoch_*") if (c / STATE_FILE).is_file()) if root.is_dir() else []
+            if not saved:
+                old = (root / "last.pt").exists()
+                old = " (only a pickled last.pt of an older cleanflow, which is not loaded)" if old else ""
+                raise UserError(f"--resume {resume}: the run folder has no checkpoint{old}")
+            ckpt_dir = saved[-1]
+    elif (p / STATE_FILE).exists() or (p / WEIGHTS_FILE).exists():
+        ckpt_dir, parent = p, p.absolute().parent
+        if parent.name != "checkpoints" or not (parent.parent / "args.json").is_file():
+            raise UserError(
+                f"--resume {resume}: this checkpoint is not inside a run folder (<run>/checkpoints/<name> next to "
+                "<run>/args.json); copy and resume the whole run folder"
+            )
+        run_dir = parent.parent
+    else:
+        raise UserError(f"--resume {resume}: not a run folder or a checkpoint folder")
+    if not (run_dir / "args.json").is_file():
+        raise UserError(f"--resume {resume}: {run_dir} is not a run folder (no args.json)")
+    return run_dir, ckpt_dir
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint folder (or a run folder: its newest) -> the state dict `save_checkpoint` was given, without
+    unpickling code. Missing, truncated or foreign files fail with one line."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        path = find_checkpoint(str(path))[1]
+    weights, state_file = path / WEIGHTS_FILE, path / STATE_FILE
+    for f in (state_file, weights):
+        if not f.is_file():
+            raise UserError(f"checkpoint {path}: {f.name} is missing")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - empty, truncated, garbage or pickled code: all one message
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(
+            f"checkpoint {state_file} cannot be read ({reason}): truncated, corrupt or not a cleanflow checkpoint"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"checkpoint {state_file} is not a cleanflow checkpoint ({CHECKPOINT_FORMAT})")
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights))
+        for key, layout in state.pop("tensor_layout").items():
+            state[key] = _unflatten(layout, tensors)
+    except Exception as e:  # noqa: BLE001
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"checkpoint {weights} cannot be read ({reason}): truncated or corrupt") from None
+    return state
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON-like `value` (a checkpoint's setting) is of the Args field type `hint`."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:  # tyro.conf markers
+        return _fits(value, parts[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in parts)
+    if origin is typing.Literal:
+        return value in parts
+    if origin in (tuple, list) or hint in (tuple, list):
+        return isinstance(value, (tuple, list)) and (not parts or all(_fits(v, parts[0]) for v in value))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type no script uses today: not checked
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path):
+    """A checkpoint's plain fields before anything of the run is touched: known keys only, and counters that are
+    whole numbers in range, the epoch the one its folder is named after (a crafted epoch -5 would retrain from -5 and
+    overwrite epochs 1-3)."""
+    unknown = sorted(set(ckpt) - set(CHECKPOINT_KEYS))
+    if unknown:
+        raise UserError(
+            f"checkpoint {ckpt_dir}: unknown entries {', '.join(map(str, unknown[:3]))}; not a cleanflow checkpoint"
+        )
+    for key in ("epoch", "step", "images_seen"):
+        value = ckpt.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "epoch" else 0):
+            raise UserError(
+                f"checkpoint {ckpt_dir}: {key} is {value!r}, expected a whole number >= {1 if key == 'epoch' else 0}"
+            )
+    if ckpt_dir.name.startswith("epoch_") and ckpt_dir.name != f"epoch_{ckpt['epoch']:06d}":
+        raise UserError(f"checkpoint {ckpt_dir}: it says epoch {ckpt['epoch']}, its folder name another")
+    if not isinstance(ckpt.get("args"), dict):
+        raise UserError(f"checkpoint {ckpt_dir}: its settings (args) are missing")
+
+
+def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator):
+    """Every tensor a resume copies into the run has the shape and dtype of what it replaces (a crafted or foreign
+    checkpoint would otherwise fail half-way through the copies, or later inside the optimizer)."""
+
+    def fits(saved, live, what: str):
+        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape or saved.dtype != live.dtype:
+            got = f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise UserError(f"{what} is {got}, expected {tuple(live.shape)} {live.dtype}")
+
+    params = ckpt.get("params")
+    if not isinstance(params, dict) or set(params) != set(named):
+        extra = sorted(set(params or {}) ^ set(named))[:2] if isinstance(params, dict) else []
+        raise UserError(f"its trainable weights are not this model's LoRA (e.g. {', '.join(extra) or 'none saved'})")
+    for name, p in named.items():
+        fits(params[name], p, name)
+    saved_opt, live_params = ckpt.get("optimizer"), [p for g in optimizer.param_groups for p in g["params"]]
+    if not isinstance(saved_opt, dict) or not isinstance(saved_opt.get("state"), dict):
+        raise UserError("its optimizer state is not an optimizer's state_dict")
+    for i, state in saved_opt["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(live_params) or not isinstance(state, dict):
+            raise UserError(f"its optimizer state has an entry {i!r} for no parameter")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # AdamW's moments; `step` is a scalar
+                fits(value, live_params[i], f"optimizer {key} of parameter {i}")
+    for key, tensors in snapshots.items():
+        saved = (ckpt.get("snapshots") or {}).get(key)
+        if not isinstance(saved, list) or len(saved) != len(tensors):
+            raise UserError(
+                f"its {key!r} snapshot has {len(saved) if isinstance(saved, list) else 0} tensors, not {len(tensors)}"
+            )
+        for t, v in zip(tensors, saved):
+            fits(v, t, f"the {key!r} snapshot")
+    saved_ema = ckpt.get("eval_ema")
+    if saved_ema is not None and eval_ema.shadow:
+        if not isinstance(saved_ema, list) or len(saved_ema) != len(eval_ema.shadow):
+            raise UserError("its eval EMA does not match the trainable weights")
+        for t, v in zip(eval_ema.shadow, saved_ema):
+            fits(v, t, "the eval EMA")
+    fits(ckpt.get("prompt_gen"), prompt_gen.get_state(), "the prompt generator's state")
+
+
+def clean_stale_temps(run_dir: Path):
+    """What a run killed while saving leaves in its folder: checkpoint temps, and the LoRA export's temp (an
+    interrupted `export_lora`); an export moved aside but not replaced is put back."""
+    doomed = [*(run_dir / "checkpoints").glob(".tmp-*"), *run_dir.glob(".lora.tmp*")]
+    if (run_dir / ".lora.old").is_dir():
+        if (run_dir / "lora").exists():
+            doomed.append(run_dir / ".lora.old")
+        else:
+            os.rename(run_dir / ".lora.old", run_dir / "lora")
+    for tmp in doomed:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
+
+
+def check_run_folder(run_dir: Path):
+    """The run folder still there (TensorBoard would go on writing to its deleted event file, and a checkpoint would
+    create a new, half-empty folder): one line instead."""
+    if not (Path(run_dir) / "args.json").is_file():
+        raise UserError(f"the run folder {run_dir} was removed or moved while the run was going; stopped")
+
+
+def disk_full(e: BaseException, folder: Optional[Path] = None) -> bool:
+    """Whether a failed write ran out of space. torch.save says only "file write failed" and safetensors wraps the
+    OS error in its own text, so the free space of `folder`'s filesystem decides too (under 1 MiB left)."""
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or "StorageFull" in str(e):
+        return True
+    try:
+        stat = os.statvfs(folder) if folder is not None else None
+    except OSError:
+        return False
+    return stat is not None and stat.f_bavail * stat.f_frsize < 2**20
+
+
+def write_error_reason(e: BaseException, folder: Optional[Path] = None) -> str:
+    """One line on why a write failed, "no space left on device" whenever that is why (see `disk_full`)."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return f"no space left on device: {reason}" if disk_full(e, folder) and "No space left" not in reason else reason
+
+
+MAX_BAD_STEPS = 5  # non-finite gradients in a row before `apply_gradients` gives up
+
+
+def apply_gradients(
+    params: Sequence[torch.Tensor], optimizer, max_grad_norm: float, on_fail: Optional[Callable[[], None]] = None
+) -> Optional[float]:
+    """Average the accumulated gradients over ranks, clip, step, zero. Returns the pre-clip grad norm, or None
+    (and no update) when it is not finite, so that one bad batch cannot poison the weights.
+
+    A skipped update prints a warning; the MAX_BAD_STEPS-th in a row calls `on_fail()` (the scripts save a checkpoint)
+    and stops the run with a UserError. The count lives in the current run's state (`start_run` resets it), so a
+    resumed run starts from 0 as it did before.
+
+    One all-reduce per parameter instead of DDP: algorithms swap snapshot/EMA weights into the same module,
+    which DDP's bucketing would not expect."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.copy_(all_reduce_mean(p.grad))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if torch.isfinite(grad_norm):
+        _RUN["bad_steps"] = 0
+        return grad_norm.item()
+    _RUN["bad_steps"] = bad = _RUN.get("bad_steps", 0) + 1
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: non-finite gradient, update skipped ({bad} in a row)")
+    if bad >= MAX_BAD_STEPS:
+        if on_fail is not None:
+            on_fail()
+        raise UserError(f"{MAX_BAD_STEPS} non-finite updates in a row; checkpoint saved, lower the learning rate")
+    return None
+
+
+def trainable_state(params_by_name: dict) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in params_by_name.items()}
+
+
+def load_trainable_state(params_by_name: dict, state: dict):
+    with torch.no_grad():
+        for n, p in params_by_name.items():
+            p.copy_(state[n])
+
+
+def save_state(
+    run_dir: Path,
+    args,
+    pipe,
+    named: dict,
+    optimizer,
+    snapshots: dict,
+    eval_ema: EvalEMA,
+    prompt_gen: torch.Generator,
+    logger: "Logger",
+    algo_doc: str,
+    *,
+    epoch: int,
+    step: int,
+    images_seen: int,
+):
+    """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
+    the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
+    and the sampler settings -- to checkpoints/last.pt (keeping the newest `--keep-checkpoints`), then the LoRA export
+    that users load (runs/<run>/lora)."""
+    if not logger.enabled:
+        return
+    check_run_folder(run_dir)
+    save_checkpoint(
+        Path(run_dir) / "checkpoints" / "last.pt",
+        {
+            "params": trainable_state(named),
+            "optimizer": optimizer.state_dict(),
+            "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
+            "eval_ema": eval_ema.state(),
+            "prompt_gen": prompt_gen.get_state(),
+            "rng": rng_state(),
+            "epoch": epoch,
+            "step": step,
+            "images_seen": images_seen,
+            "args": vars(args),
+            "sampler": {
+                "num_steps": args.num_steps,
+                "guidance_scale": args.guidance_scale,
+                "dynamics": args.dynamics,
+                "eta": args.eta,
+                "scheduler": dict(pipe.scheduler.config),
+            },
+        },
+        keep=args.keep_checkpoints,
+    )
+    export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+
+
+def restore_state(
+    ckpt: Optional[dict], named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator
+) -> tuple:
+    """The inverse of `save_state` for a resumed run (`ckpt` from `start_run`; None: a fresh run, nothing to do).
+    Returns (start_epoch, step, images_seen)."""
+    if ckpt is None:
+        return 0, 0, 0
+    where = f"checkpoint {_RUN.get('checkpoint', '')}".rstrip()
+    try:
+        check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+        load_trainable_state(named, ckpt["params"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for key, tensors in snapshots.items():
+            for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                t.copy_(saved)
+        eval_ema.load(ckpt.get("eval_ema"))
+        prompt_gen.set_state(ckpt["prompt_gen"])
+        set_rng_state(ckpt["rng"])
+    except UserError as e:
+        raise UserError(f"{where} does not fit this run: {e}; nothing was changed") from None
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"{where} does not fit this run ({type(e).__name__}: {reason}); nothing was changed") from None
+    return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
+
+
+def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int):
+    """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
+    --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
+    at x = images seen. Returns {reward: mean} for the progress bar (None on the other ranks)."""
+    if not logger.enabled:
+        return None
+    with eval_ema.swapped():
+        imgs, scores = evaluate(
+            pipe,
+            pipe.transformer,
+            encoder,
+            prompts,
+            rewards.evaluate,
+            num_steps=args.eval_num_steps or args.num_steps,
+            guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
+            seed=0,
+            use_autocast=args.mixed_precision,
+            repeats=getattr(args, "eval_noises", 2),
+            schedule=getattr(args, "sigma_schedule", "pipeline"),
+            solver=getattr(args, "eval_solver", "euler"),
+        )
+    logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
+    logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)
+    return {k: v.mean().item() for k, v in scores.items()}
+
+
+class Timer:
+    """Accumulates wall-clock per section: `with timer("sampling"): ...`; `timer.pop()` returns and resets."""
+
+    def __init__(self):
+        self.totals = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def nanmean(values) -> float:
+    """Mean ignoring NaNs; NaN (without numpy's warning) when nothing is left."""
+    finite = [float(v) for v in values if not math.isnan(float(v))]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
