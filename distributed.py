@@ -85,6 +85,14 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_grads(params: Sequence[torch.Tensor]):
+    """Average the accumulated gradients over ranks, in place. One all-reduce per parameter instead of DDP: the
+    algorithms swap snapshot/EMA weights into the same module, which DDP's bucketing would not expect."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.copy_(all_reduce_mean(p.grad))
+
+
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Concatenate equally-shaped tensors from all ranks along dim 0, in rank order."""
     if not dist.is_initialized():

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from common import FAMILIES, REPO, UserError, evaluate
-from distributed import all_reduce_mean, busy_cpu_hint, check_device
+from distributed import busy_cpu_hint, check_device
 from models import EvalEMA, check_model_folder, compile_unavailable, pipeline_config, swapped_weights
 
 
@@ -1187,31 +1187,17 @@ def write_error_reason(e: BaseException, folder: Optional[Path] = None) -> str:
     return f"no space left on device: {reason}" if disk_full(e, folder) and "No space left" not in reason else reason
 
 
-MAX_BAD_STEPS = 5  # non-finite gradients in a row before `apply_gradients` gives up
+MAX_BAD_STEPS = 5  # non-finite gradients in a row before `gradient_is_finite` stops the run
 
 
-def apply_gradients(
-    params: Sequence[torch.Tensor], optimizer, max_grad_norm: float, on_fail: Optional[Callable[[], None]] = None
-) -> Optional[float]:
-    """Average the accumulated gradients over ranks, clip, step, zero. Returns the pre-clip grad norm, or None
-    (and no update) when it is not finite, so that one bad batch cannot poison the weights.
-
-    A skipped update prints a warning; the MAX_BAD_STEPS-th in a row calls `on_fail()` (the scripts save a checkpoint)
-    and stops the run with a UserError. The count lives in the current run's state (`start_run` resets it), so a
-    resumed run starts from 0 as it did before.
-
-    One all-reduce per parameter instead of DDP: algorithms swap snapshot/EMA weights into the same module,
-    which DDP's bucketing would not expect."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.copy_(all_reduce_mean(p.grad))
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if torch.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def gradient_is_finite(grad_norm: torch.Tensor, on_fail: Optional[Callable[[], None]] = None) -> bool:
+    """Whether the step's (pre-clip) gradient norm is finite; if not, the scripts skip the update, so that one bad batch
+    cannot poison the weights. A skip prints a warning; the MAX_BAD_STEPS-th in a row calls `on_fail()` (the scripts
+    save a checkpoint) and stops the run with a UserError. The count lives in the current run's state (`start_run`
+    resets it), so a resumed run starts from 0 as it did before."""
     if torch.isfinite(grad_norm):
         _RUN["bad_steps"] = 0
-        return grad_norm.item()
+        return True
     _RUN["bad_steps"] = bad = _RUN.get("bad_steps", 0) + 1
     from tqdm import tqdm
 
@@ -1220,7 +1206,7 @@ def apply_gradients(
         if on_fail is not None:
             on_fail()
         raise UserError(f"{MAX_BAD_STEPS} non-finite updates in a row; checkpoint saved, lower the learning rate")
-    return None
+    return False
 
 
 def trainable_state(params_by_name: dict) -> dict:

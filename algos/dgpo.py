@@ -550,26 +550,30 @@ def main(args: Args):
                             ("dsm", dsm.mean()),
                         ):
                             stats[name].append(value.item())
-                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
                         k += 1
                         if k % per_step == 0:
-                            grad_norm = run.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
-                            if grad_norm is not None:
+                            distributed.all_reduce_grads(params)
+                            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                            if run.gradient_is_finite(grad_norm, lambda: save(epoch)):
+                                optimizer.step()
                                 step += 1
                                 eval_ema.update(step)
-                                stats["grad_norm"].append(grad_norm)
-                                # ALGO LOGIC: ema_ref follows theta after each optimizer step, d from the steps before this one
-                                update_ema(
-                                    ema_ref,
-                                    params,
-                                    get_decay(
-                                        step - 1,
-                                        args.ema_ref_decay_start,
-                                        args.ema_ref_decay_flat_steps,
-                                        args.ema_ref_decay_ramp,
-                                        args.ema_ref_decay_max,
-                                    ),
-                                )
+                                stats["grad_norm"].append(grad_norm.item())
+                            optimizer.zero_grad(set_to_none=True)
+                        # ALGO LOGIC: ema_ref follows theta after each optimizer step, d from the steps before this one
+                        if k % per_step == 0 and torch.isfinite(grad_norm):
+                            update_ema(
+                                ema_ref,
+                                params,
+                                get_decay(
+                                    step - 1,
+                                    args.ema_ref_decay_start,
+                                    args.ema_ref_decay_flat_steps,
+                                    args.ema_ref_decay_ramp,
+                                    args.ema_ref_decay_max,
+                                ),
+                            )
             ratios = stats.pop("ratio_mean")
             diagnostics = {
                 "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,

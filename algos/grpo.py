@@ -573,14 +573,17 @@ def main(args: Args):
                             ("ratio_mean", ratio.mean()),
                         ):
                             stats[name].append(value.item())
-                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes (None: non-finite, skipped)
+                        # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
                         k += 1
                         if k % per_step == 0:
-                            grad_norm = run.apply_gradients(params, optimizer, args.max_grad_norm, lambda: save(epoch))
-                            if grad_norm is not None:
+                            distributed.all_reduce_grads(params)
+                            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                            if run.gradient_is_finite(grad_norm, lambda: save(epoch)):
+                                optimizer.step()
                                 step += 1
                                 eval_ema.update(step)
-                                stats["grad_norm"].append(grad_norm)
+                                stats["grad_norm"].append(grad_norm.item())
+                            optimizer.zero_grad(set_to_none=True)
             diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))), "sde_steps_mean": float(np.mean(sde_steps))}
 
         # ---- logging ----

@@ -843,3 +843,26 @@ def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler
     torch.testing.assert_close(common.decode(pipe, latents), ref, atol=1e-5, rtol=1e-5)
     euler = common.sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise).latents
     assert (euler - latents).abs().max() > 1e-3
+
+
+def test_a_non_finite_gradient_skips_the_update_and_five_in_a_row_stop_the_run(capsys):
+    saved = []
+    run._RUN.clear()
+    assert run.gradient_is_finite(torch.tensor(3.0))
+    for bad in range(1, run.MAX_BAD_STEPS):
+        assert not run.gradient_is_finite(torch.tensor(float("nan")), lambda: saved.append(1))
+        assert f"update skipped ({bad} in a row)" in "".join(capsys.readouterr())
+    assert run.gradient_is_finite(torch.tensor(0.5)) and run._RUN["bad_steps"] == 0  # a finite one resets the count
+    for _ in range(run.MAX_BAD_STEPS - 1):
+        run.gradient_is_finite(torch.tensor(float("inf")), lambda: saved.append(1))
+    assert not saved
+    with pytest.raises(common.UserError, match="5 non-finite updates in a row"):
+        run.gradient_is_finite(torch.tensor(float("inf")), lambda: saved.append(1))
+    assert saved == [1]  # the checkpoint is written before the run stops
+
+
+def test_all_reduce_grads_is_the_identity_on_one_process():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([1.0, -2.0, 3.0])
+    distributed.all_reduce_grads([p, q])  # q has no gradient: left alone
+    assert p.grad.tolist() == [1.0, -2.0, 3.0] and q.grad is None

@@ -36,7 +36,14 @@ def test_the_shared_plumbing_is_under_banners():
     """The loop's shared pieces -- resume and save, the optimizer step with its non-finite-gradient guard, the logging
     block -- are inside `# TRY NOT TO MODIFY:` blocks, so the identity test below covers them."""
     text = "\n".join(shared_blocks(ALGOS[0]))
-    for piece in ("run.restore_state(", "run.save_state(", "run.apply_gradients(", "logger.scalars(metrics"):
+    for piece in (
+        "run.restore_state(",
+        "run.save_state(",
+        "clip_grad_norm_(params, args.max_grad_norm)",
+        "run.gradient_is_finite(",
+        "optimizer.step()",
+        "logger.scalars(metrics",
+    ):
         assert piece in text, piece
 
 
