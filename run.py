@@ -1294,10 +1294,13 @@ def restore_state(
     return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
 
 
-def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int):
+def evaluate_and_log(
+    args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int, label: str = "eval"
+):
     """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
     --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
-    at x = images seen. Returns {reward: mean} for the progress bar (None on the other ranks)."""
+    at x = images seen, and print the means as a line that stays above the progress bar. Returns {reward: mean}
+    (None on the other ranks)."""
     if not logger.enabled:
         return None
     with eval_ema.swapped():
@@ -1314,10 +1317,21 @@ def evaluate_and_log(args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, l
             repeats=getattr(args, "eval_noises", 2),
             schedule=getattr(args, "sigma_schedule", "pipeline"),
             solver=getattr(args, "eval_solver", "euler"),
+            progress=False,  # the run's one progress bar is the epochs'
         )
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)
-    return {k: v.mean().item() for k, v in scores.items()}
+    means = {k: v.mean().item() for k, v in scores.items()}
+    from tqdm import tqdm
+
+    tqdm.write(f"{label} after {images_seen:,} images: {scores_line(means)}")
+    return means
+
+
+def scores_line(means: dict) -> str:
+    """{reward: mean} as "shapes_clean 0.578  shapes_exact 0.45": 3 significant digits, already finer than the
+    standard error of a held-out mean (about 0.06 for a 0/1 score over the default 60 images)."""
+    return "  ".join(f"{name} {value:.3g}" for name, value in means.items())
 
 
 class Timer:

@@ -424,6 +424,7 @@ def main(args: Args):
         range(start_epoch, args.num_epochs),
         disable=not dist.is_main,
         desc=args.exp_name,
+        unit="epoch",
         initial=start_epoch,
         total=args.num_epochs,
     )
@@ -433,7 +434,7 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            pbar.set_postfix(run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen))
+            run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -568,16 +569,15 @@ def main(args: Args):
                 [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
                 images_seen,
             )
-        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", loss=f"{metrics['losses/policy_loss']:.3f}")
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3g}", loss=f"{metrics['losses/policy_loss']:.3g}")
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close
-    if stopped_at is not None:
-        final = f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
-    else:
-        final = run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+    if stopped_at is None:
+        run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
     if dist.is_main:
-        print(f"final eval: {final}  peak RSS {run.peak_rss_mb():.0f} MB  run: {run_dir}")
+        done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+        print(f"{done}  peak RSS {run.peak_rss_mb():.0f} MB  run: {run_dir}")
         if args.push_to_hub:
             run.push_to_hub(run_dir / "lora", args.push_to_hub)
     logger.close()
