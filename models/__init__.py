@@ -1,9 +1,10 @@
-"""Model-family registry: pipeline class name (model_index.json's `_class_name`) -> `common.Family`.
+"""The model families, and what loads one: `load_pipeline` -> `Model`, LoRA (`add_lora`), the reference model
+(adapter off), compilation, gradient checkpointing and the eval EMA.
 
 One file per family holds only what differs from SD3 (the transformer call, prompt encoding, guidance mode, schedule
-shift, latent layout, latent un-normalisation, default LoRA targets). Importing this package registers them with
-`common`, whose sampler, `PromptEncoder`, `load_pipeline` and `decode` call what the family holds; common never imports
-models/, so the arrows point one way: algos -> models -> common.
+shift, latent layout, latent un-normalisation, default LoRA targets) in a `common.Family`; importing this package
+registers them with `common.register`, whose sampler and `PromptEncoder` call what the family holds. common never
+imports models/, so the arrows point one way: algos -> run -> models -> common.
 """
 
 import contextlib
