@@ -16,7 +16,8 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import UserError, check_device  # noqa: E402
+from common import UserError  # noqa: E402
+from distributed import check_device  # noqa: E402
 from rewards import REWARDS  # noqa: E402
 from rewards.remote import VERSION, decode_png_base64  # noqa: E402
 
