@@ -354,7 +354,6 @@ def update_ema(ema, params, decay: float):
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -370,7 +369,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -474,7 +473,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             with models.swapped_weights(params, sampling_snapshot):
                 rollout = common.sample(

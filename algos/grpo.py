@@ -302,7 +302,6 @@ def sde_window_steps(window: list, count: int, mode: str, generator: torch.Gener
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -315,7 +314,6 @@ def main(args: Args):
         )
     if args.grpo_guard and args.log_prob_form != "gaussian":
         raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
-    # which steps are stochastic (known from the flags alone)
     window = list(range(args.num_steps))[slice(*args.sde_window)]
     if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
         window = [i for i in window if i < args.num_steps - 1]
@@ -327,7 +325,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -427,7 +425,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)

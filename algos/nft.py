@@ -301,7 +301,6 @@ def update_ema(ema, params, decay: float):
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -319,7 +318,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -427,7 +426,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             with models.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
@@ -480,7 +479,7 @@ def main(args: Args):
                 )  # [mb, T]
                 for j in range(args.num_train_timesteps):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
-                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))  # per-sample sigma
+                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))
                     xt = (1 - s) * x0[sl] + s * eps
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
@@ -497,7 +496,7 @@ def main(args: Args):
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)
                     loss = policy_loss + args.kl_beta * kl
                     (loss / per_step).backward()
-                    old_deviate = (v.detach() - v_old).pow(2).mean()  # how far the trained velocity is from the old one
+                    old_deviate = (v.detach() - v_old).pow(2).mean()
                     for name, value in (
                         ("policy_loss", policy_loss),
                         ("kl_ref", kl),
