@@ -27,161 +27,149 @@ from rewards import load_rewards  # noqa: E402
 class Args:
     # Experiment
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
-    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    """if toggled, cuDNN uses deterministic kernels"""
     device: Optional[str] = None
-    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    """torch device; default cuda:<rank> or cpu"""
     output_dir: str = "runs"
-    """runs are written to <output_dir>/<run_name>/"""
+    """runs go to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
-    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
-    --gradient-checkpointing, --overlap-reward, --compile and --device may change)"""
+    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
     num_epochs: int = 60
-    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    """epochs; one epoch = one rollout of M x K images + its updates"""
     eval_every: int = 10
-    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    """evaluate every this many epochs"""
     eval_num_steps: Optional[int] = None
-    """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
+    """evaluation steps; default num_steps"""
     eval_guidance_scale: Optional[float] = None
-    """CFG scale of evaluation; default guidance_scale"""
+    """evaluation CFG; default guidance_scale"""
     eval_noises: int = 2
-    """noises per held-out prompt in each evaluation (2: 60 images on tiny-shapes; the convergence protocol uses 8)"""
+    """noises per held-out prompt"""
     eval_ema_decay: float = 0.0
-    """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
-    checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    """decay of the evaluated weight EMA; 0 = off"""
     eval_ema_interval: int = 1
-    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    """optimizer steps per eval EMA update"""
     eval_ema_repeats: int = 1
-    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
-    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
+    """times each eval EMA update is applied"""
     save_every: int = 10
-    """checkpoint every this many epochs (and at the end)"""
+    """checkpoint every this many epochs"""
     keep_checkpoints: int = 3
-    """keep the newest N saves as checkpoints/epoch_<E>/ (at least the newest, which checkpoints/last points to)"""
+    """newest checkpoints to keep (>= 1)"""
     track: bool = False
-    """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
+    """if toggled, mirror the logs to Weights & Biases"""
     wandb_project_name: str = "cleanflow"
     """the wandb project name"""
     wandb_entity: Optional[str] = None
-    """the entity (team) of the wandb project; default your wandb default"""
+    """the wandb entity (team)"""
     push_to_hub: Optional[str] = None
-    """a hub model repo id (user/name): at the end, upload the exported LoRA folder runs/<run>/lora there"""
+    """hub repo (user/name) to upload the LoRA to"""
     mixed_precision: bool = False
-    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    """bf16 autocast of the transformer"""
     gradient_checkpointing: bool = False
-    """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    """recompute activations in the backward"""
     overlap_reward: bool = True
-    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: score the
-    same micro-batches after sampling, in the main thread (bit-identical numbers: the model sees the same chunks)"""
+    """score in a thread while the next samples"""
     compile: bool = False
-    """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
-    once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
+    """torch.compile each transformer block"""
     offload_text_encoders: bool = False
-    """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
+    """encode prompts once, text encoders to cpu"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    """dtype of the frozen base model"""
     resolution: Optional[int] = None
-    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+    """image side in pixels; default native"""
     height: Optional[int] = None
-    """image height in pixels, for non-square images; default --resolution"""
+    """image height; default resolution"""
     width: Optional[int] = None
-    """image width in pixels, for non-square images; default --resolution"""
+    """image width; default resolution"""
     num_frames: Optional[int] = None
-    """frames per video (video models only; Wan: 4k + 1, default 33)"""
+    """frames per video (video models)"""
     negative_prompt: str = ""
-    """the negative prompt of CFG (used when a guidance scale > 1)"""
+    """the negative prompt of CFG"""
     max_sequence_length: Optional[int] = None
-    """text tokens per prompt; default the family's (its pipeline's, e.g. FLUX 512, CogView4 1024; tiny-shapes 1)"""
+    """text tokens per prompt"""
 
     # Model & sampler
     model: str = common.TINY_MODEL
-    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    """diffusers pipeline: a local folder or a hub id"""
     reward: str = "shapes_clean"
-    """reward name or weighted list, e.g. "shapes_clean:1.0,jpeg_compressibility:0.1" (shapes_clean: the tiny-shapes
-    checker with extra objects penalised; "shapes" is the GenEval-style one that RL learns to hack, see rewards/shapes.py);
-    a reward server's http://HOST:PORT/name stands for a name (docs/reward_server.md)"""
+    """reward name or weighted list "name:w,name:w" (rewards/)"""
     train_prompts: str = common.TRAIN_PROMPTS
-    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    """prompt file (.txt, or .jsonl with a "prompt" field)"""
     test_prompts: str = common.TEST_PROMPTS
     """held-out prompt file for evaluation"""
     num_steps: int = 10
-    """N, sampling steps of the rollout (and of evaluation) (paper: 14)"""
+    """N, sampling steps"""
     sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
-    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
-    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
+    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
     guidance_scale: float = 1.0
-    """CFG scale of the rollout and of the policy's training forward (AWM trains CFG-free)"""
+    """CFG scale of rollout and training forward"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
-    """rollout dynamics; AWM only needs clean samples, so the ODE is the default (paper: SA-Solver, not offered here)"""
+    """rollout dynamics"""
     eta: float = 0.7
-    """noise level of the SDE dynamics (unused for ODE)"""
+    """noise level of the SDE dynamics"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
-    """LoRA alpha (the update is scaled by alpha / r)"""
+    """LoRA alpha (scale alpha / r)"""
     lora_targets: Optional[tuple[str, ...]] = None
-    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
-    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
+    """modules that get LoRA; default the family's"""
 
     # Optimizer & batch
     learning_rate: float = 1e-3
-    """AdamW learning rate (paper, SD3.5-M: 3e-4)"""
+    """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     num_prompts: int = 8
-    """M, prompts per epoch (global, across ranks)"""
+    """M, prompts per epoch (global)"""
     group_size: int = 8
     """K, images per prompt"""
     micro_batch: int = 16
     """per-rank micro-batch"""
     grad_steps_per_epoch: int = 2
-    """optimizer steps per epoch (the epoch's micro-batches are split into this many accumulation chunks; paper: 1)"""
+    """optimizer steps per epoch"""
     num_train_timesteps: int = 4
-    """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 6 of N=14)"""
+    """T, trained timesteps per micro-batch"""
     timestep_range: float = 0.9
-    """train on the schedule indices whose sigma >= 1 - range (paper: the first 90% of indices, i.e. 0.6 on SD3.5, N=14)"""
+    """train where sigma >= 1 - range"""
     adv_clip: float = 5.0
-    """advantages are clipped to [-c, c], then rescaled to [-advantage_max, advantage_max]"""
+    """advantages are clipped to [-c, c], then scaled by advantage_max / c"""
     advantage_std: Literal["group", "global"] = "global"
-    """std of the group z-score: per group or over all samples (paper: global)"""
+    """std of the z-score: per group or global"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+    """several rewards: z-score their sum, or each first"""
 
     # Algorithm specific arguments
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
-    """pseudo log-likelihood from the FM error l: -l, -sigma l, -sigma^2 l, -sigma sqrt(l), -sigma l^p / p (paper: ghuber)"""
+    """pseudo log-likelihood from the FM error l (sigma-weighted forms)"""
     ghuber_power: float = 0.25
-    """p of the generalised-Huber weighting (paper: 0.25)"""
+    """p of the generalised-Huber weighting"""
     advantage_max: float = 1.0
-    """the clipped advantage is rescaled by advantage_max / adv_clip (paper: 1, i.e. A / 5)"""
+    """the clipped advantage is scaled by advantage_max / adv_clip"""
     skip_pure_noise: bool = False
-    """never train at sigma = 1 (the paper's "discrete_wo_init" on GenEval/OCR; PickScore trains it)"""
+    """never train at sigma = 1"""
     clip_low: float = 1.0
-    """PPO clip below: ratio >= 1 - clip_low, ratio = exp(log p_theta - log p_old) of pseudo log-likelihoods (paper: 1)"""
+    """PPO clip below: ratio >= 1 - clip_low"""
     clip_high: float = 1.0
-    """PPO clip above: ratio <= 1 + clip_high (paper: 1)"""
+    """PPO clip above: ratio <= 1 + clip_high"""
     kl_beta: float = 0.01
-    """KL weight to the base model, velocity MSE ||v - v_ref||^2 (paper: 1e-4 PickScore, 1e-3 GenEval; tiny: see docs)"""
+    """KL weight to the base model"""
     ema_kl_beta: float = 0.0
-    """KL weight to the EMA of the policy, ||v - v_ema||^2: a trust region around the recent weights (paper: 1)"""
+    """KL weight to the EMA of the policy, ||v - v_ema||^2"""
     ema_decay_start: float = 0.0
-    """decay d of the EMA, updated once per epoch as ema <- d ema + (1 - d) theta, for the first ema_decay_flat_steps
-    optimizer steps (0 = a copy of the latest weights; paper: 0)"""
+    """decay d of the EMA at first"""
     ema_decay_flat_steps: int = 0
-    """then d_i = min(ema_decay_start + ema_decay_ramp (i - flat_steps), ema_decay_max) (paper: 0)"""
+    """steps before d starts to ramp"""
     ema_decay_ramp: float = 0.001
-    """increase of d per optimizer step (paper: 0.001)"""
+    """increase of d per optimizer step"""
     ema_decay_max: float = 0.3
-    """the largest EMA decay (paper: 0.3)"""
+    """the largest EMA decay d"""
     off_policy: bool = False
-    """sample and compute the old pseudo log-likelihoods with the EMA instead of the current weights"""
+    """sample and compute old log-likelihoods with the EMA"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -327,7 +315,6 @@ def update_ema(ema, params, decay: float):
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -336,7 +323,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -442,7 +429,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             with models.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(

@@ -26,173 +26,149 @@ from rewards import load_rewards  # noqa: E402
 class Args:
     # Experiment
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
-    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    """if toggled, cuDNN uses deterministic kernels"""
     device: Optional[str] = None
-    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    """torch device; default cuda:<rank> or cpu"""
     output_dir: str = "runs"
-    """runs are written to <output_dir>/<run_name>/"""
+    """runs go to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
-    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
-    --gradient-checkpointing, --overlap-reward, --compile and --device may change)"""
+    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
     num_epochs: int = 40
-    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates (tiny-shapes: the held-out score
-    peaks around epoch 40-50 and drifts down after, see docs/grpo.md)"""
+    """epochs; one epoch = one rollout of M x K images + its updates"""
     eval_every: int = 10
-    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    """evaluate every this many epochs"""
     eval_num_steps: Optional[int] = None
-    """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
+    """evaluation steps; default num_steps"""
     eval_guidance_scale: Optional[float] = None
-    """CFG scale of evaluation; default guidance_scale"""
+    """evaluation CFG; default guidance_scale"""
     eval_noises: int = 2
-    """noises per held-out prompt in each evaluation (2: 60 images on tiny-shapes; the convergence protocol uses 8)"""
+    """noises per held-out prompt"""
     eval_ema_decay: float = 0.0
-    """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
-    checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    """decay of the evaluated weight EMA; 0 = off"""
     eval_ema_interval: int = 1
-    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    """optimizer steps per eval EMA update"""
     eval_ema_repeats: int = 1
-    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
-    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
+    """times each eval EMA update is applied"""
     save_every: int = 10
-    """checkpoint every this many epochs (and at the end)"""
+    """checkpoint every this many epochs"""
     keep_checkpoints: int = 3
-    """keep the newest N saves as checkpoints/epoch_<E>/ (at least the newest, which checkpoints/last points to)"""
+    """newest checkpoints to keep (>= 1)"""
     track: bool = False
-    """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
+    """if toggled, mirror the logs to Weights & Biases"""
     wandb_project_name: str = "cleanflow"
     """the wandb project name"""
     wandb_entity: Optional[str] = None
-    """the entity (team) of the wandb project; default your wandb default"""
+    """the wandb entity (team)"""
     push_to_hub: Optional[str] = None
-    """a hub model repo id (user/name): at the end, upload the exported LoRA folder runs/<run>/lora there"""
+    """hub repo (user/name) to upload the LoRA to"""
     mixed_precision: bool = False
-    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    """bf16 autocast of the transformer"""
     gradient_checkpointing: bool = False
-    """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    """recompute activations in the backward"""
     overlap_reward: bool = True
-    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: score the
-    same micro-batches after sampling, in the main thread (bit-identical numbers: the model sees the same chunks)"""
+    """score in a thread while the next samples"""
     compile: bool = False
-    """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
-    once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
+    """torch.compile each transformer block"""
     offload_text_encoders: bool = False
-    """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
+    """encode prompts once, text encoders to cpu"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    """dtype of the frozen base model"""
     resolution: Optional[int] = None
-    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+    """image side in pixels; default native"""
     height: Optional[int] = None
-    """image height in pixels, for non-square images; default --resolution"""
+    """image height; default resolution"""
     width: Optional[int] = None
-    """image width in pixels, for non-square images; default --resolution"""
+    """image width; default resolution"""
     num_frames: Optional[int] = None
-    """frames per video (video models only; Wan: 4k + 1, default 33)"""
+    """frames per video (video models)"""
     negative_prompt: str = ""
-    """the negative prompt of CFG (used when a guidance scale > 1)"""
+    """the negative prompt of CFG"""
     max_sequence_length: Optional[int] = None
-    """text tokens per prompt; default the family's (its pipeline's, e.g. FLUX 512, CogView4 1024; tiny-shapes 1)"""
+    """text tokens per prompt"""
 
     # Model & sampler
     model: str = common.TINY_MODEL
-    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    """diffusers pipeline: a local folder or a hub id"""
     reward: str = "shapes_clean"
-    """reward name or weighted list, e.g. "shapes_clean:1.0,jpeg_compressibility:0.1" (shapes_clean: the tiny-shapes
-    checker with extra objects penalised; "shapes" is the GenEval-style one that RL learns to hack, see rewards/shapes.py);
-    a reward server's http://HOST:PORT/name stands for a name (docs/reward_server.md)"""
+    """reward name or weighted list "name:w,name:w" (rewards/)"""
     train_prompts: str = common.TRAIN_PROMPTS
-    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    """prompt file (.txt, or .jsonl with a "prompt" field)"""
     test_prompts: str = common.TEST_PROMPTS
     """held-out prompt file for evaluation"""
     num_steps: int = 10
-    """N, sampling steps of the rollout (and of evaluation)"""
+    """N, sampling steps"""
     sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
-    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
-    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
+    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
     guidance_scale: float = 1.0
-    """CFG scale of the rollout; the training forward uses the same (paper: 4.5; tiny-shapes learns better, at half the
-    cost, without CFG: 4.5 moved the held-out score 0.578 -> 0.43-0.68 and back within 60 epochs)"""
+    """CFG scale of rollout and training forward"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "Flow-SDE"
-    """rollout dynamics; GRPO needs a stochastic one (ODE is refused)"""
+    """rollout dynamics (GRPO needs an SDE)"""
     eta: float = 0.7
-    """noise level a of the SDE (Flow-GRPO's SDE: sigma_t = a sqrt(t / (1 - t)))"""
+    """noise level of the SDE dynamics"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
-    """LoRA alpha (the update is scaled by alpha / r)"""
+    """LoRA alpha (scale alpha / r)"""
     lora_targets: Optional[tuple[str, ...]] = None
-    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
-    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
+    """modules that get LoRA; default the family's"""
 
     # Optimizer & batch
     learning_rate: float = 5e-4
-    """AdamW learning rate (paper, SD3.5-M: 3e-4); tiny-shapes on `shapes_clean`: 1.5e-3 lowered held-out exact by 0.074,
-    5e-4 by 0.032 (3 seeds each, benchmark/results/shapes_clean/tuning.md)"""
+    """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     num_prompts: int = 8
-    """M, prompts per epoch (global, across ranks)"""
+    """M, prompts per epoch (global)"""
     group_size: int = 8
     """K, images per prompt"""
     micro_batch: int = 16
     """per-rank micro-batch"""
     grad_steps_per_epoch: int = 2
-    """optimizer steps per inner epoch (the micro-batches are split into this many accumulation chunks)"""
+    """optimizer steps per inner epoch"""
     adv_clip: float = 5.0
     """advantages are clipped to [-c, c]"""
     advantage_std: Literal["group", "global"] = "group"
-    """std of the group z-score: per group (paper) or over all samples"""
+    """std of the z-score: per group or global"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+    """several rewards: z-score their sum, or each first"""
 
     # Algorithm specific arguments
     sde_window: tuple[int, int] = (1, -1)
-    """python slice of step indices that may be stochastic; (1, -1) = all but the first (sigma=1) and the last"""
+    """python slice of the step indices that may be stochastic"""
     num_sde_steps: int = 4
-    """stochastic (and trained) steps per trajectory, redrawn from the window each epoch (Flow-GRPO-Fast / MixGRPO;
-    official Fast PickScore: 2, see window_mode)"""
+    """stochastic (and trained) steps per trajectory"""
     window_mode: Literal["subset", "contiguous"] = "subset"
-    """which num_sde_steps steps: "subset", a random (possibly non-contiguous) subset of the window; "contiguous", a run
-    of consecutive steps with a random start, inside the window (official Flow-GRPO-Fast: sde_window_size 3 in
-    sde_window_range (0, N/2), i.e. --num-sde-steps 3 --sde-window 0 5)"""
+    """the SDE steps: a random subset of the window, or a contiguous run"""
     zero_adv_filter: bool = False
-    """samples whose advantage is exactly 0 (flat groups) leave the loss mean of their optimizer step (official
-    flow_grpo); off: they count in the mean with a zero gradient"""
+    """drop zero-advantage samples from the loss mean"""
     log_prob_form: Literal["gaussian", "mse"] = "gaussian"
-    """per-step log-prob: the exact Gaussian log-density, or "mse", -mean||x' - mu||^2, the CPS authors' surrogate
-    (log-ratios 2 std^2 times the Gaussian ones, so a clip range means something else: docs/grpo.md)"""
+    """per-step log-prob: exact Gaussian, or "mse" -||x' - mu||^2"""
     grpo_guard: bool = False
-    """GRPO-Guard (arXiv 2510.22319): RatioNorm, the log-ratio with its mean bias ||mu - mu_old||^2 / (2 std^2)
-    removed and scaled by the step's std, so ratios are centred at 1 with the same spread at every step"""
+    """GRPO-Guard RatioNorm of the log-ratio (arXiv 2510.22319)"""
     guard_reweight: bool = True
-    """with grpo_guard: weight each step's loss by 1 / |dt| (the paper's gradient reweighting; Flow-Factory omits it)"""
+    """with grpo_guard: weight each step's loss by 1 / |dt|"""
     shared_group_noise: bool = True
-    """the K images of a prompt start from the same noise and diverge only at the SDE steps (Flow-GRPO-Fast's
-    branching), so the reward differences within a group are caused by the steps that are trained"""
+    """a group's K images share their initial noise"""
     num_inner_epochs: int = 1
-    """PPO epochs over each rollout buffer"""
+    """passes over each rollout buffer"""
     clip_low: float = 1e-3
-    """PPO clip below: ratio >= 1 - clip_low (log-probs are per-element means, so ratios stay close to 1)"""
+    """PPO clip below: ratio >= 1 - clip_low"""
     clip_high: float = 1e-3
-    """PPO clip above: ratio <= 1 + clip_high (DAPO-style asymmetric when different)"""
+    """PPO clip above: ratio <= 1 + clip_high"""
     leave_one_out: bool = False
-    """RLOO baseline: the mean of the other K-1 rewards instead of the group mean"""
+    """RLOO baseline: the mean of the other K-1 rewards"""
     kl_beta: float = 0.0
-    """beta of the KL penalty to the base model (paper: 0.04 on GenEval, 0 for Flow-GRPO-Fast PickScore)"""
+    """beta of the KL penalty to the base model"""
     kl_type: Literal["x", "v"] = "x"
-    """"x": KL between the two Gaussian steps (kl_form); "v": ||v - v_ref||^2"""
+    """"x": KL of the Gaussian steps; "v": ||v - v_ref||^2"""
     kl_form: Literal["exact", "official"] = "exact"
-    """kl_type "x": "exact", ||mu - mu_ref||^2 / (2 std^2) with std = sigma_t sqrt(|dt|), the true KL; "official",
-    flow_grpo's ||mu - mu_ref||^2 / (2 sigma_t^2) = exact x |dt| for the SDEs, on which the paper's beta was tuned (same
-    beta: exact is 1/|dt| = 4-28x stronger on SD3.5 at 10 steps); under CPS flow_grpo divides by the step's own std, so
-    official = exact there"""
+    """KL of the steps: exact, or flow_grpo's ("official", x |dt|)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -326,7 +302,6 @@ def sde_window_steps(window: list, count: int, mode: str, generator: torch.Gener
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -339,7 +314,6 @@ def main(args: Args):
         )
     if args.grpo_guard and args.log_prob_form != "gaussian":
         raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
-    # which steps are stochastic (known from the flags alone)
     window = list(range(args.num_steps))[slice(*args.sde_window)]
     if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
         window = [i for i in window if i < args.num_steps - 1]
@@ -351,7 +325,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -451,7 +425,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)

@@ -26,156 +26,141 @@ from rewards import load_rewards  # noqa: E402
 class Args:
     # Experiment
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (run names are <reward>__<exp_name>__<seed>__<time>)"""
+    """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
-    """if toggled, sets `torch.backends.cudnn.deterministic=True` (deterministic cuDNN kernels)"""
+    """if toggled, cuDNN uses deterministic kernels"""
     device: Optional[str] = None
-    """torch device; default cuda:<local rank> when CUDA is available, else cpu"""
+    """torch device; default cuda:<rank> or cpu"""
     output_dir: str = "runs"
-    """runs are written to <output_dir>/<run_name>/"""
+    """runs go to <output_dir>/<run_name>/"""
     resume: Optional[str] = None
-    """a run folder to continue exactly from its newest checkpoint, or one of its checkpoints/epoch_<E> folders; the run's
-    flags come from the checkpoint (only --num-epochs, --eval-every, --save-every, --keep-checkpoints,
-    --gradient-checkpointing, --overlap-reward, --compile and --device may change)"""
+    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
     num_epochs: int = 60
-    """epochs; one epoch = one rollout of num_prompts x group_size images + its updates"""
+    """epochs; one epoch = one rollout of M x K images + its updates"""
     eval_every: int = 10
-    """evaluate on the held-out prompts every this many epochs (and at the end)"""
+    """evaluate every this many epochs"""
     eval_num_steps: Optional[int] = None
-    """sampling steps of evaluation; default num_steps (the papers evaluate at 40)"""
+    """evaluation steps; default num_steps"""
     eval_guidance_scale: Optional[float] = None
-    """CFG scale of evaluation; default guidance_scale"""
+    """evaluation CFG; default guidance_scale"""
     eval_noises: int = 2
-    """noises per held-out prompt in each evaluation (2: 60 images on tiny-shapes; the convergence protocol uses 8)"""
+    """noises per held-out prompt"""
     eval_ema_decay: float = 0.0
-    """evaluate an EMA of the trainable weights with this decay, updated after every optimizer step and saved with the
-    checkpoints (the papers' protocol, e.g. 0.9); 0 = off: evaluate the trained weights themselves"""
+    """decay of the evaluated weight EMA; 0 = off"""
     eval_ema_interval: int = 1
-    """update the eval EMA only at the optimizer steps with (step + 1) % k == 0 (flow_grpo and DGPO: 8)"""
+    """optimizer steps per eval EMA update"""
     eval_ema_repeats: int = 1
-    """apply each eval EMA update this many times: flow_grpo and DGPO update once per micro-batch of the step (2 in
-    flow_grpo's 32-GPU SD3.5 configs, 4 in DGPO's 4-GPU PickScore one, 2 in its OCR one)"""
+    """times each eval EMA update is applied"""
     save_every: int = 10
-    """checkpoint every this many epochs (and at the end)"""
+    """checkpoint every this many epochs"""
     keep_checkpoints: int = 3
-    """keep the newest N saves as checkpoints/epoch_<E>/ (at least the newest, which checkpoints/last points to)"""
+    """newest checkpoints to keep (>= 1)"""
     track: bool = False
-    """if toggled, mirror the TensorBoard scalars and images to Weights & Biases (pip install -r requirements-track.txt)"""
+    """if toggled, mirror the logs to Weights & Biases"""
     wandb_project_name: str = "cleanflow"
     """the wandb project name"""
     wandb_entity: Optional[str] = None
-    """the entity (team) of the wandb project; default your wandb default"""
+    """the wandb entity (team)"""
     push_to_hub: Optional[str] = None
-    """a hub model repo id (user/name): at the end, upload the exported LoRA folder runs/<run>/lora there"""
+    """hub repo (user/name) to upload the LoRA to"""
     mixed_precision: bool = False
-    """bf16 autocast for transformer forwards (trainable weights stay fp32)"""
+    """bf16 autocast of the transformer"""
     gradient_checkpointing: bool = False
-    """recompute each transformer block in the backward pass: activation memory of one block, ~1 more forward per step"""
+    """recompute activations in the backward"""
     overlap_reward: bool = True
-    """sample in micro-batches and decode + score each in a worker thread while the next is sampled; off: score the
-    same micro-batches after sampling, in the main thread (bit-identical numbers: the model sees the same chunks)"""
+    """score in a thread while the next samples"""
     compile: bool = False
-    """torch.compile each transformer block (regional compilation; compiles at the first call of each shape, printed
-    once): faster after warm-up, same numbers to float rounding; needs a C++ compiler on CPU, triton on GPU"""
+    """torch.compile each transformer block"""
     offload_text_encoders: bool = False
-    """encode every train/test prompt once at start, then move the text encoders to the CPU (frees ~9 GB with T5-XXL)"""
+    """encode prompts once, text encoders to cpu"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model (bfloat16 halves GPU memory; LoRA weights stay fp32)"""
+    """dtype of the frozen base model"""
     resolution: Optional[int] = None
-    """image side in pixels; default the model's native size (tiny-shapes: 64; the papers use 512 for SD3.5-M)"""
+    """image side in pixels; default native"""
     height: Optional[int] = None
-    """image height in pixels, for non-square images; default --resolution"""
+    """image height; default resolution"""
     width: Optional[int] = None
-    """image width in pixels, for non-square images; default --resolution"""
+    """image width; default resolution"""
     num_frames: Optional[int] = None
-    """frames per video (video models only; Wan: 4k + 1, default 33)"""
+    """frames per video (video models)"""
     negative_prompt: str = ""
-    """the negative prompt of CFG (used when a guidance scale > 1)"""
+    """the negative prompt of CFG"""
     max_sequence_length: Optional[int] = None
-    """text tokens per prompt; default the family's (its pipeline's, e.g. FLUX 512, CogView4 1024; tiny-shapes 1)"""
+    """text tokens per prompt"""
 
     # Model & sampler
     model: str = common.TINY_MODEL
-    """diffusers SD3-family pipeline: a local folder or a hub id"""
+    """diffusers pipeline: a local folder or a hub id"""
     reward: str = "shapes_clean"
-    """reward name or weighted list, e.g. "shapes_clean:1.0,jpeg_compressibility:0.1" (shapes_clean: the tiny-shapes
-    checker with extra objects penalised; "shapes" is the GenEval-style one that RL learns to hack, see rewards/shapes.py);
-    a reward server's http://HOST:PORT/name stands for a name (docs/reward_server.md)"""
+    """reward name or weighted list "name:w,name:w" (rewards/)"""
     train_prompts: str = common.TRAIN_PROMPTS
-    """prompt file (.txt one per line, or .jsonl with a "prompt" field)"""
+    """prompt file (.txt, or .jsonl with a "prompt" field)"""
     test_prompts: str = common.TEST_PROMPTS
     """held-out prompt file for evaluation"""
     num_steps: int = 10
-    """N, sampling steps of the rollout (and of evaluation)"""
+    """N, sampling steps"""
     sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """sigma schedule of rollout and eval: "pipeline", linspace(1, 1/N) through the shift (FLUX/Qwen pipelines,
-    Flow-Factory); "scheduler", the scheduler's own set_timesteps(N), ending near 0 (SD3's stock pipeline, flow_grpo,
-    DiffusionNFT, AWM, DGPO: 0.278 -> 0.009 -> 0 at 10 steps with shift 3, not 0.429 -> 0.25 -> 0)"""
+    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
     guidance_scale: float = 1.0
-    """CFG scale of the rollout and of the policy's training forward (DiffusionNFT trains CFG-free)"""
+    """CFG scale of rollout and training forward"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
-    """rollout dynamics; DiffusionNFT only needs clean samples, so the ODE is the default (paper: 2nd-order ODE)"""
+    """rollout dynamics"""
     eta: float = 0.7
-    """noise level of the SDE dynamics (unused for ODE)"""
+    """noise level of the SDE dynamics"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
-    """LoRA alpha (the update is scaled by alpha / r)"""
+    """LoRA alpha (scale alpha / r)"""
     lora_targets: Optional[tuple[str, ...]] = None
-    """module names that get LoRA adapters (peft: a name or its dotted suffix); None: the family's own list
-    (models/<family>.py; SD3: the projections of `attn` only, as every official repo, not SD3.5-M's `attn2`)"""
+    """modules that get LoRA; default the family's"""
 
     # Optimizer & batch
     learning_rate: float = 3e-3
-    """AdamW learning rate (paper, SD3.5-M: 3e-4); higher than crd.py's 1e-3: one AdamW step per epoch (see docs)"""
+    """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     num_prompts: int = 8
-    """M, prompts per epoch (global, across ranks)"""
+    """M, prompts per epoch (global)"""
     group_size: int = 8
     """K, images per prompt"""
     micro_batch: int = 16
     """per-rank micro-batch"""
     grad_steps_per_epoch: int = 1
-    """optimizer steps per epoch (the epoch's micro-batches are split into this many accumulation chunks; paper: 1)"""
+    """optimizer steps per epoch"""
     num_train_timesteps: int = 4
-    """T, training timesteps per micro-batch, stratified over the rollout schedule (paper: 9 of N=10 per image)"""
+    """T, trained timesteps per micro-batch"""
     timestep_range: float = 0.99
-    """train on the schedule indices whose sigma >= 1 - range (0.99: all of them)"""
+    """train where sigma >= 1 - range"""
     timesteps_per_image: bool = False
-    """draw T distinct indices of the window for each image (official DiffusionNFT: a random permutation of the rollout
-    timesteps per image, scripts/train_nft_sd3.py:810-816); off: T stratified indices shared by a micro-batch
-    (Flow-Factory)"""
+    """draw T distinct indices per image, not per micro-batch"""
     adv_clip: float = 5.0
-    """advantages are clipped to [-c, c] before being mapped to r in [0, 1]"""
+    """advantages are clipped to [-c, c], then mapped to [0, 1]"""
     advantage_std: Literal["group", "global"] = "global"
-    """std of the group z-score: per group or over all samples (paper: global)"""
+    """std of the z-score: per group or global"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: z-score their weighted sum ("sum"), or normalise each then sum ("gdpo")"""
+    """several rewards: z-score their sum, or each first"""
 
     # Algorithm specific arguments
     nft_beta: float = 1.0
-    """beta, guidance strength of the implicit policies v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v
-    (paper: 1; 0.1 for OCR and multi-reward)"""
+    """beta, guidance strength of the implicit policies v+ and v-"""
     adaptive_weighting: bool = True
-    """divide each x0-space squared error by its own detached mean |error| (sec. 3.3); False: plain ||x0_hat - x0||^2"""
+    """divide each x0 error by its detached mean |error| (sec. 3.3)"""
     off_policy: bool = True
-    """roll out with the EMA "old" policy (paper, official code) instead of the current weights"""
+    """roll out with the EMA "old" policy, not the current weights"""
     old_decay_start: float = 0.0
-    """decay d of the old policy's soft update theta_old <- d theta_old + (1 - d) theta for the first
-    old_decay_flat_steps optimizer steps (0 = hard copy; paper: 0)"""
+    """decay d of the old policy at first"""
     old_decay_flat_steps: int = 0
-    """then d_i = min(old_decay_start + old_decay_ramp (i - flat_steps), old_decay_max) (paper: 0; OCR: 75)"""
+    """steps before d starts to ramp"""
     old_decay_ramp: float = 0.02
-    """increase of d per optimizer step (paper, SD3.5-M: 0.001; OCR: 0.0075)"""
+    """increase of d per optimizer step"""
     old_decay_max: float = 0.5
-    """the final decay of the old policy (paper: 0.5; OCR: 0.999)"""
+    """the largest decay d of the old policy"""
     kl_beta: float = 0.0
-    """KL weight to the base model, kl_beta ||v - v_ref||^2 (official code: 1e-4; Flow-Factory example: 0)"""
+    """KL weight to the base model"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -316,7 +301,6 @@ def update_ema(ema, params, decay: float):
 
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
-    # checks the shared flags; with --resume loads the checkpoint, restores the run's Args and locks the run folder
     run_dir, ckpt = run.start_run(args, __file__)
     dist = distributed.setup_distributed(args.device)
     device = dist.device
@@ -334,7 +318,7 @@ def main(args: Args):
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size  # images per epoch, all ranks together
+    total = args.num_prompts * args.group_size
     per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
     local_samples = per_rank_step * args.grad_steps_per_epoch
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
@@ -442,7 +426,7 @@ def main(args: Args):
         with timer("sampling"):
             prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
             prompts = [prompts[j] for j in local_idx]
-            cond = encoder.cond(prompts)  # text embeddings, and the negative prompt's for CFG
+            cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             with models.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
@@ -495,7 +479,7 @@ def main(args: Args):
                 )  # [mb, T]
                 for j in range(args.num_train_timesteps):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
-                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))  # per-sample sigma
+                    s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))
                     xt = (1 - s) * x0[sl] + s * eps
                     # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
@@ -512,7 +496,7 @@ def main(args: Args):
                     kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)
                     loss = policy_loss + args.kl_beta * kl
                     (loss / per_step).backward()
-                    old_deviate = (v.detach() - v_old).pow(2).mean()  # how far the trained velocity is from the old one
+                    old_deviate = (v.detach() - v_old).pow(2).mean()
                     for name, value in (
                         ("policy_loss", policy_loss),
                         ("kl_ref", kl),
