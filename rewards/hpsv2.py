@@ -7,7 +7,7 @@ The released weights are an open_clip state_dict (`HPS_v2_compressed.pt`, `HPS_v
 the default is `adams-story/HPSv2-hf`, a transformers CLIPModel port of HPS v2.0 with its tokenizer and image
 processor, whose embeddings its author checked against the open_clip model. $CLEANFLOW_HPSV2_MODEL points at a local
 copy or at another port (HPS v2.1, which DanceGRPO trains on, has no transformers port on the hub: convert its
-open_clip state_dict to a CLIPModel folder first, see docs/rewards.md).
+open_clip state_dict to a CLIPModel folder first, see docs/preference_rewards.md).
 """
 
 from typing import Callable

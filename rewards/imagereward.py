@@ -4,8 +4,8 @@ on the text encoder's [CLS] feature, trained on 137k expert comparisons.
 
 score = (mlp(text_encoder(prompt, image)[:, 0]) - 0.16717) / 1.03334, `ImageReward.score` of THUDM/ImageReward
 (`ImageReward/ImageReward.py`): the prompt padded to 35 BERT tokens, [CLS] kept as the first token, the image resized
-(shortest edge, bicubic) and centre cropped to 224 and normalised with CLIP's mean and std. Scores are roughly
-standard-normal over the paper's generations (higher is better).
+(shortest edge, bicubic) and centre cropped to 224 and normalised with CLIP's mean and std. Higher is better; the
+two constants are the mean and std of the raw head output that the authors normalise by.
 
 There is no transformers port of the checkpoint, so this file reads the released `ImageReward.pt` (a plain state_dict
 of the BLIP and MLP modules, from the hub repository THUDM/ImageReward) and renames its keys onto transformers'
