@@ -141,7 +141,7 @@ def imagereward(device=None, dtype: torch.dtype = torch.float32, batch_size: int
     import transformers
 
     device = _clip.pick_device(device)
-    state = _clip.load(read_checkpoint, CKPT_ENV, CKPT_REPO, "ImageReward weights")
+    state = _clip.load(read_checkpoint, CKPT_ENV, CKPT_REPO, "ImageReward weights", f"the file {CKPT_FILE}")
     vision_model, text_model, head = build(state)
     vision_model, text_model, head = vision_model.to(device, dtype), text_model.to(device, dtype), head.to(device)
     tokenizer = _clip.load_tokenizer(TOKENIZER_ENV, TOKENIZER, "ImageReward tokenizer")

@@ -329,6 +329,10 @@ def test_imagereward_reads_the_architecture_off_the_checkpoint(tiny_clip):
 
 
 def test_imagereward_errors(env, tiny_clip, tmp_path):
+    env.delenv(imagereward.CKPT_ENV)  # the hub default, unreachable (HF_HUB_OFFLINE=1) and not cached
+    with pytest.raises(UserError, match=imagereward.CKPT_ENV) as err:
+        imagereward.imagereward("cpu")
+    assert "THUDM/ImageReward" in str(err.value) and "ImageReward.pt" in str(err.value) and "\n" not in str(err.value)
     env.setenv(imagereward.CKPT_ENV, str(tmp_path / "missing.pt"))
     with pytest.raises(UserError, match=imagereward.CKPT_ENV) as err:
         imagereward.imagereward("cpu")
