@@ -30,6 +30,8 @@ REWARDS: Dict[str, Callable] = {
     "pickscore": _lazy("pickscore", "pickscore"),
     "clipscore": _lazy("clipscore", "clipscore"),
     "aesthetic": _lazy("aesthetic", "aesthetic"),
+    "hpsv2": _lazy("hpsv2", "hpsv2"),
+    "imagereward": _lazy("imagereward", "imagereward"),
     "ocr": _lazy("ocr", "ocr"),
 }
 

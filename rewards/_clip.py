@@ -30,17 +30,14 @@ def first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def load(loader: Callable, env: str, default: str, what: str):
+def load(loader: Callable, env: str, default: str, what: str, local: str = "a hub snapshot or save_pretrained directory"):
     """loader(name) where name is $env or the hub id `default`; a model that is missing (not in the local cache with
-    the hub unreachable, a wrong path) becomes one line saying which id failed and which variable to set."""
+    the hub unreachable, a wrong path) becomes one line saying which id failed and which variable to set to `local`."""
     name = os.environ.get(env) or default
     try:
         return loader(name)
     except OSError as e:
-        raise UserError(
-            f"cannot load the {what} from {name!r} ({first_line(e)}); "
-            f"set {env} to a local copy (a hub snapshot or save_pretrained directory)"
-        ) from e
+        raise UserError(f"cannot load the {what} from {name!r} ({first_line(e)}); set {env} to a local copy ({local})") from e
 
 
 def load_clip(env: str, default: str, what: str, device: torch.device, dtype: torch.dtype):
