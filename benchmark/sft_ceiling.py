@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--learning-rate", type=float, default=1e-3)
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--feed-forward", action="store_true", help="LoRA on the feed-forward layers too (more capacity)")
+    ap.add_argument("--cache", default=None, help="a file to keep the kept samples in and reuse (e.g. runs/sft.pt)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -45,29 +47,40 @@ def main():
     encoder = common.PromptEncoder(pipe)
     train = common.load_prompts(common.TRAIN_PROMPTS)
 
-    # 1. the base's samples of every training prompt; keep the exact ones
-    kept_latents, kept_prompts = [], []
-    prompts = [p for p in train for _ in range(args.samples_per_prompt)]
-    for k in range(0, len(prompts), 64):
-        chunk = prompts[k : k + 64]
-        out = common.sample(
-            pipe.transformer,
-            pipe.scheduler,
-            encoder.cond(chunk, negative=args.guidance_scale > 1),
-            num_steps=10,
-            guidance_scale=args.guidance_scale,
-            generator=torch.Generator().manual_seed(10_000 * args.seed + k),
-        )
-        exact = shapes.evaluate(common.decode(pipe, out.latents), chunk, chunk)["exact"].bool()
-        kept_latents.append(out.latents[exact])
-        kept_prompts += [p for p, e in zip(chunk, exact.tolist()) if e]
+    # 1. the base's samples of every training prompt; keep the exact ones (or reuse the kept ones from --cache)
+    key = {"guidance_scale": args.guidance_scale, "samples_per_prompt": args.samples_per_prompt, "seed": args.seed}
+    cached = torch.load(args.cache, weights_only=True) if args.cache and Path(args.cache).is_file() else None
+    if cached is not None and cached["key"] == key:
+        kept_latents, kept_prompts, total = [cached["latents"]], cached["prompts"], cached["total"]
+    else:
+        kept_latents, kept_prompts = [], []
+        prompts = [p for p in train for _ in range(args.samples_per_prompt)]
+        for k in range(0, len(prompts), 64):
+            chunk = prompts[k : k + 64]
+            out = common.sample(
+                pipe.transformer,
+                pipe.scheduler,
+                encoder.cond(chunk, negative=args.guidance_scale > 1),
+                num_steps=10,
+                guidance_scale=args.guidance_scale,
+                generator=torch.Generator().manual_seed(10_000 * args.seed + k),
+            )
+            exact = shapes.evaluate(common.decode(pipe, out.latents), chunk, chunk)["exact"].bool()
+            kept_latents.append(out.latents[exact])
+            kept_prompts += [p for p, e in zip(chunk, exact.tolist()) if e]
+        total = len(prompts)
+        if args.cache:
+            torch.save({"key": key, "latents": torch.cat(kept_latents), "prompts": kept_prompts, "total": total}, args.cache)
     x0_all = torch.cat(kept_latents)
     covered = len(set(kept_prompts))
-    print(f"kept {len(kept_prompts)} exact samples of {len(prompts)} ({covered} of {len(train)} prompts)", flush=True)
+    print(f"kept {len(kept_prompts)} exact samples of {total} ({covered} of {len(train)} prompts)", flush=True)
 
     # 2. flow matching on the kept samples, LoRA as the scripts attach it
     pipe.transformer.requires_grad_(False)
-    params = models.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, None)
+    targets = None  # the family's attention projections, as the scripts
+    if args.feed_forward:
+        targets = (*pipe.family.lora_targets, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+    params = models.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, targets)
     opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=1e-4)
     sigmas = common.sigma_schedule(pipe.scheduler, 10)[:-1]
     gen = torch.Generator().manual_seed(args.seed)
