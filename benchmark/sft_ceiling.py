@@ -70,6 +70,7 @@ def main():
             kept_prompts += [p for p, e in zip(chunk, exact.tolist()) if e]
         total = len(prompts)
         if args.cache:
+            Path(args.cache).parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "latents": torch.cat(kept_latents), "prompts": kept_prompts, "total": total}, args.cache)
     x0_all = torch.cat(kept_latents)
     covered = len(set(kept_prompts))
