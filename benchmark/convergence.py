@@ -178,7 +178,11 @@ def images_trained(run: Path) -> int:
 
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
     acc.Reload()
-    return max((e.step for e in acc.Scalars("train/reward")), default=0) if "train/reward" in acc.Tags()["scalars"] else 0
+    return (
+        max((e.step for e in acc.Scalars("charts/reward_mean")), default=0)
+        if "charts/reward_mean" in acc.Tags()["scalars"]
+        else 0
+    )
 
 
 def cmd_final(args, sets):
