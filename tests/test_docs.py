@@ -62,9 +62,12 @@ def test_every_file_the_docs_name_exists(doc):
     for ref in PATH.findall(doc.read_text()):
         if "<" in ref or "*" in ref:  # a pattern (algos/<algo>.py), not a file
             continue
-        if "/" not in ref:  # a bare file name: somewhere in the repository
-            if not any(p for p in REPO.rglob(ref) if ".venv" not in p.parts):
-                missing.append(ref)
+        if "/" not in ref:  # a bare file name: somewhere in the repository's own folders
+            if not any(
+                next((REPO / top).rglob(ref), None) for top in ("algos", "assets", "benchmark", "models", "rewards", "tests")
+            ):
+                if not (REPO / ref).exists():
+                    missing.append(ref)
             continue
         here = (doc.parent / ref).resolve() if ref.startswith("../") else REPO / ref
         if not here.exists():
