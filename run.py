@@ -931,7 +931,7 @@ def _plain(value):
 def save_checkpoint(path: Path, state: dict, keep: int = 0):
     """Save `state` as the checkpoint folder <path's folder>/epoch_<state["epoch"]>/ and point `last` at it (see above).
 
-    `path` is <run>/checkpoints/last(.pt). Top-level entries that are tensors or dicts/lists of tensors go to
+    `path` is <run>/checkpoints/last. Top-level entries that are tensors or dicts/lists of tensors go to
     safetensors, whatever their name; everything else to state.pt. Keeps the newest max(keep, 1) epoch folders.
     A failed write (disk full, file-size limit) removes what it wrote and stops the run with one line."""
     root = Path(path).parent
@@ -1237,13 +1237,13 @@ def save_state(
 ):
     """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
     the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
-    and the sampler settings -- to checkpoints/last.pt (keeping the newest `--keep-checkpoints`), then the LoRA export
-    that users load (runs/<run>/lora)."""
+    and the sampler settings -- to checkpoints/epoch_<E>/ with `checkpoints/last` pointing at it (keeping the newest
+    `--keep-checkpoints`), then the LoRA export that users load (runs/<run>/lora)."""
     if not logger.enabled:
         return
     check_run_folder(run_dir)
     save_checkpoint(
-        Path(run_dir) / "checkpoints" / "last.pt",
+        Path(run_dir) / "checkpoints" / "last",
         {
             "params": trainable_state(named),
             "optimizer": optimizer.state_dict(),
