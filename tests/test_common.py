@@ -45,15 +45,9 @@ def test_ode_sampler_matches_diffusers_pipeline(pipe, guidance_scale):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_scheduler_schedule_is_the_stock_sd3_pipelines(pipe):
-    """`schedule="scheduler"` samples what StableDiffusion3Pipeline does when given no sigmas (flow_grpo & co)."""
-    steps = 6
-    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
-    enc = common.PromptEncoder(pipe)
-    out = common.sample(
-        pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise, schedule="scheduler"
-    )
-    ref = pipe(
+def stock_images(pipeline, noise, steps: int):
+    """The stock pipeline's `__call__` on the tiny model (CFG 1, 64 px, no T5) from the given initial noise."""
+    return pipeline(
         prompt=PROMPTS,
         latents=noise.clone(),
         num_inference_steps=steps,
@@ -63,6 +57,17 @@ def test_scheduler_schedule_is_the_stock_sd3_pipelines(pipe):
         max_sequence_length=1,
         output_type="pt",
     ).images
+
+
+def test_scheduler_schedule_is_the_stock_sd3_pipelines(pipe):
+    """`schedule="scheduler"` samples what StableDiffusion3Pipeline does when given no sigmas (flow_grpo & co)."""
+    steps = 6
+    noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    enc = common.PromptEncoder(pipe)
+    out = common.sample(
+        pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise, schedule="scheduler"
+    )
+    ref = stock_images(pipe, noise, steps)
     torch.testing.assert_close(out.sigmas, pipe.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule it set
     assert out.sigmas[-2] < 0.01  # ends near the data, unlike the shifted linspace's 1/N
     torch.testing.assert_close(common.decode(pipe, out.latents), ref, atol=1e-5, rtol=1e-5)
@@ -830,16 +835,7 @@ def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler
         flow_shift=shift, use_flow_sigmas=True, prediction_type="flow_prediction", solver_order=2, final_sigmas_type="zero"
     )
     stock = type(pipe.pipe)(**{**pipe.pipe.components, "scheduler": dpm})
-    ref = stock(
-        prompt=PROMPTS,
-        latents=noise.clone(),
-        num_inference_steps=steps,
-        guidance_scale=1.0,
-        height=64,
-        width=64,
-        max_sequence_length=1,
-        output_type="pt",
-    ).images
+    ref = stock_images(stock, noise, steps)
     torch.testing.assert_close(common.decode(pipe, latents), ref, atol=1e-5, rtol=1e-5)
     euler = common.sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), num_steps=steps, noise=noise).latents
     assert (euler - latents).abs().max() > 1e-3
