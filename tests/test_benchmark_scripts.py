@@ -38,3 +38,19 @@ def test_paper_command_parses_with_a_valid_geometry(script, task):
     distributed.batch_layout(args.num_prompts * args.group_size, args.grad_steps_per_epoch, world, args.micro_batch)
     if name in ("crd", "dgpo"):  # whole groups per micro-batch
         assert args.micro_batch % args.group_size == 0
+
+
+def test_best_of_k_is_the_mean_over_all_k_subsets_of_noises():
+    """convergence.best_of_k (the unbiased pass@k estimator) against enumerating every k-subset of the 8 noises."""
+    import itertools
+
+    import numpy as np
+
+    from benchmark.convergence import best_of_k
+
+    exact = (np.random.default_rng(0).random((8, 30)) < 0.2).astype(float)
+    exact[:, 0], exact[:, 1] = 0, 1  # a prompt never exact, one always
+    for k in (1, 4, 8):
+        brute = np.mean([np.mean([exact[list(s), p].max() for s in itertools.combinations(range(8), k)]) for p in range(30)])
+        assert abs(best_of_k(exact, k) - brute) < 1e-12
+    assert best_of_k(exact, 1) == exact.mean()
