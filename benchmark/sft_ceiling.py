@@ -6,7 +6,7 @@
 A diagnostic for the convergence protocol (benchmark/results/convergence/README.md), not an algorithm of the project:
 rejection-sampling fine-tuning (RAFT, arXiv 2304.06767, one round). The base model samples every training prompt
 `--samples-per-prompt` times; the samples that are exact (the asked objects and nothing else) are kept; a LoRA of the
-scripts' default shape is trained on them with the plain flow-matching loss ||v(x_sigma) - (eps - x0)||^2 (sigma
+scripts' default shape (or every weight, `--full-finetune`) is trained on them with the plain flow-matching loss ||v(x_sigma) - (eps - x0)||^2 (sigma
 uniform over the 10-step schedule); then held-out and training prompts are scored like `convergence.py base`, ODE 10
 steps at CFG 1. If this cannot raise exact, the RL algorithms' plateau is the model's or the LoRA's limit; if it can,
 the room is reachable and the algorithms' signal is what is missing. Appends one row to
@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--learning-rate", type=float, default=1e-3)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--feed-forward", action="store_true", help="LoRA on the feed-forward layers too (more capacity)")
+    ap.add_argument("--full-finetune", action="store_true", help="train every transformer weight instead of a LoRA")
     ap.add_argument("--cache", default=None, help="a file to keep the kept samples in and reuse (e.g. runs/sft.pt)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -81,7 +82,11 @@ def main():
     targets = None  # the family's attention projections, as the scripts
     if args.feed_forward:
         targets = (*pipe.family.lora_targets, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-    params = models.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, targets)
+    if args.full_finetune:  # the capacity question without the LoRA's rank limit
+        pipe.transformer.requires_grad_(True)
+        params = list(pipe.transformer.parameters())
+    else:
+        params = models.add_lora(pipe.transformer, args.lora_rank, 2.0 * args.lora_rank, targets)
     opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=1e-4)
     sigmas = common.sigma_schedule(pipe.scheduler, 10)[:-1]
     gen = torch.Generator().manual_seed(args.seed)
