@@ -34,6 +34,7 @@ REWARDS: Dict[str, Callable] = {
     "imagereward": _lazy("imagereward", "imagereward"),
     "ocr": _lazy("ocr", "ocr"),
     "vlm": _lazy("vlm", "vlm"),
+    "hpsv3": _lazy("hpsv3", "hpsv3"),
 }
 
 

@@ -88,13 +88,15 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int):
     return resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
-def patchify(images: torch.Tensor, processor, device: torch.device, max_pixels: Optional[int] = None):
+def patchify(
+    images: torch.Tensor, processor, device: torch.device, max_pixels: Optional[int] = None, min_pixels: Optional[int] = None
+):
     """images [B, 3, H, W] in [0, 1] -> (pixel_values [B, n, 3 * t * p * p] float32, grid (1, H' / p, W' / p)), what the
     Qwen2-VL image processor gives each image: bicubic resize to `smart_resize`'s size, normalise with the processor's
     mean and std, then patches of p x p repeated t times along time, ordered merge-block by merge-block."""
     p, m, t = processor.patch_size, processor.merge_size, processor.temporal_patch_size
     size = dict(processor.size)
-    lo = size.get("shortest_edge") or processor.min_pixels
+    lo = min_pixels or size.get("shortest_edge") or processor.min_pixels
     hi = max_pixels or size.get("longest_edge") or processor.max_pixels
     x = images.to(device=device, dtype=torch.float32)
     b, c, h, w = x.shape
