@@ -2,8 +2,11 @@
 with transformers < 4.52 key names, one extra embedding row for <|Reward|>, the float32 rm_head) over a tiny Qwen2-VL
 base folder (config, tokenizer with chat template, image processor): nothing is downloaded."""
 
+import os
+
 import pytest
 import torch
+from conftest import run_script
 from PIL import Image
 from safetensors.torch import save_file
 from test_vlm import smooth_images, tiny_judge
@@ -117,3 +120,18 @@ def test_errors_are_one_line(env, tiny_hpsv3, tmp_path):
 def test_registry(env):
     rewards = load_rewards("hpsv3:1.0,jpeg_compressibility:0.1", "cpu")
     assert set(rewards(smooth_images(2), PROMPTS[:2])) == {"hpsv3", "jpeg_compressibility"}
+
+
+def test_tiny_training_run_on_hpsv3(tiny_hpsv3, tmp_path):
+    """One GRPO epoch of the tiny model on hpsv3 through the registry: the reward is logged and the eval scores it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "train.txt").write_text("a red circle\na blue square\n")
+    env = os.environ | {hpsv3.BASE_ENV: tiny_hpsv3["base"], hpsv3.CKPT_ENV: tiny_hpsv3["ckpt"]}
+    argv = ["algos/grpo.py", "--num-epochs", "1", "--num-prompts", "2", "--group-size", "2", "--micro-batch", "2"]
+    argv += ["--num-steps", "4", "--num-sde-steps", "1", "--eval-every", "1", "--reward", "hpsv3"]
+    argv += ["--train-prompts", tmp_path / "train.txt", "--test-prompts", tmp_path / "train.txt"]
+    run_script(argv + ["--output-dir", tmp_path / "out"], env=env)
+    (events,) = (tmp_path / "out").rglob("events.out.tfevents*")
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"charts/hpsv3", "eval/hpsv3", "losses/policy_loss"} <= set(tags)
