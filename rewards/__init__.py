@@ -33,6 +33,8 @@ REWARDS: Dict[str, Callable] = {
     "hpsv2": _lazy("hpsv2", "hpsv2"),
     "imagereward": _lazy("imagereward", "imagereward"),
     "ocr": _lazy("ocr", "ocr"),
+    "vlm": _lazy("vlm", "vlm"),
+    "hpsv3": _lazy("hpsv3", "hpsv3"),
 }
 
 
