@@ -70,6 +70,11 @@ FAMILIES = {
     # the same two CFG passes; WanPipeline takes no sigmas (the card's scheduler sets our grid) and returns video
     # [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.2e-7
     "wan": ("wan", 32, 1e-5),
+    # the same two passes (conditional first) with the pipeline's float text mask and its first visible padding token;
+    # FLUX.1's packing and ids
+    "chroma": ("chroma", 32, 1e-5),
+    # one batched 2B call, as the pipeline; zeroed padding tokens, no mask; the card passes our grid as SD3's does
+    "auraflow": ("auraflow", 32, 1e-5),
 }
 # the settings each family is compared in; the prompts (8 to 16 characters) always differ in length
 SETTINGS = {
@@ -84,7 +89,7 @@ CASES = [(f, s) for f in sorted(FAMILIES) for s in SETTINGS if not (s == "negati
 
 def pipeline_latents(pipe, noise):
     """Our initial noise in the layout the pipeline's `latents` argument takes (FLUX.1, Qwen-Image: 2x2 tokens)."""
-    return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage") else noise
+    return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage", "chroma") else noise
 
 
 def load(family, family_dirs, setting="cfg"):
@@ -330,6 +335,8 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
         ("Efficient-Large-Model/Sana_1600M_1024px_diffusers", "SanaPipeline"),
         ("Alpha-VLLM/Lumina-Image-2.0", "Lumina2Pipeline"),
         ("THUDM/CogView4-6B", "CogView4Pipeline"),
+        ("lodestones/Chroma1-HD", "ChromaPipeline"),
+        ("fal/AuraFlow-v0.3", "AuraFlowPipeline"),
     ],
 )
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):

@@ -475,3 +475,97 @@ def cogview4(path):
         tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
     ).save_pretrained(path)
     return str(path)
+
+
+def vae_2x(scaling_factor: float, shift_factor=None):
+    """A tiny 2x-downsampling AutoencoderKL with 4 latent channels (Chroma's and AuraFlow's layout at tiny size)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=32,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
+
+
+def chroma(path):
+    """ChromaPipeline: a T5 encoder (the byte-level tokenizer stands in for T5's), a FLUX.1-style VAE (factor 2,
+    scale/shift factors), FLUX.1-dev's dynamically shifted scheduler config."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)  # the test prompts and negative prompt (at most 19 bytes) leave padding
+    torch.manual_seed(0)
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    ChromaPipeline(
+        scheduler=scheduler,
+        vae=vae_2x(scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def auraflow(path):
+    """AuraFlowPipeline: a UMT5 encoder (the byte-level tokenizer stands in for Pile-T5's), an SDXL-style VAE (factor
+    2, a scaling factor and no shift), the released scheduler config (static shift 1.73)."""
+    from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)
+    torch.manual_seed(0)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = AuraFlowTransformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=256,
+    )
+    AuraFlowPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        vae=vae_2x(scaling_factor=0.13025),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.73),
+    ).save_pretrained(path)
+    return str(path)
