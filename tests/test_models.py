@@ -443,6 +443,9 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("cogview4", "--num-frames 5", "CogView4Pipeline makes images, not videos"),
     ("lumina2", "--height 64 --width 60", "width 60 must be a multiple of 16"),
     ("wan", "--max-sequence-length 100", "--max-sequence-length 100: this model's tokenizer takes at most 32 tokens"),
+    ("chroma", "--gradient-checkpointing", "drops the text mask in its checkpointed single-stream blocks"),
+    ("chroma", "--resolution 34", "resolution 34 must be a multiple of 4"),  # VAE factor 2 x FLUX.1's 2x2 packing
+    ("auraflow", "--width 96", "(16 patches per side, at most 64 pixels)"),  # its table: 256 patches, a 16 x 16 grid
 ]
 
 
@@ -494,3 +497,23 @@ def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs
 
     pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
     assert (pipe.transformer_2 is not None) == (variant == "a14b")
+
+
+@pytest.mark.parametrize("family", ["chroma", "auraflow"])
+def test_t5_families_encode_the_test_prompts_whole_with_the_pipelines_padding(family, family_dirs):
+    """Chroma and AuraFlow pad T5's output to max_sequence_length (the tiny tokenizer's 32: no prompt of the tests is
+    cut). Chroma's mask shows each prompt's tokens and the first padding token; AuraFlow's padding tokens are zeros."""
+    pipe = models.load_pipeline(family_dirs(family), CPU, resolution=32)
+    enc = common.PromptEncoder(pipe, negative_prompt="blurry, low quality")
+    texts = [*PROMPTS, "blurry, low quality", ""]
+    lengths = [len(pipe.tokenizer(t).input_ids) for t in texts]
+    assert enc.max_sequence_length == 32 and max(lengths) < 32
+    embeds, extra = enc(texts)
+    assert embeds.shape[1] == 32
+    if family == "chroma":
+        expected = torch.arange(32)[None] <= torch.tensor(lengths)[:, None]  # ChromaPipeline: one padding token visible
+        assert torch.equal(extra, expected.float())
+    else:
+        assert extra.shape == (len(texts), 0)
+        nonzero = embeds.abs().sum(-1) > 0
+        assert torch.equal(nonzero, torch.arange(32)[None] < torch.tensor(lengths)[:, None])
