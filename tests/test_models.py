@@ -517,3 +517,20 @@ def test_t5_families_encode_the_test_prompts_whole_with_the_pipelines_padding(fa
         assert extra.shape == (len(texts), 0)
         nonzero = embeds.abs().sum(-1) > 0
         assert torch.equal(nonzero, torch.arange(32)[None] < torch.tensor(lengths)[:, None])
+
+
+def test_chroma_checkpointed_blocks_lose_the_mask_so_checkpointing_is_refused(family_dirs):
+    """Why models/chroma.py refuses --gradient-checkpointing: diffusers' checkpointed single-stream blocks run without
+    the text mask, so the same weights give another velocity with grad on (2.3e-2 here). When diffusers passes the mask
+    this fails, and the refusal can go."""
+    pipe = models.load_pipeline(family_dirs("chroma"), CPU, resolution=32)
+    cond = common.PromptEncoder(pipe).cond(PROMPTS[:2], negative=False)
+    x = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        plain = common.velocity(pipe.transformer, x, torch.tensor(0.5), cond)
+        pipe.transformer.enable_gradient_checkpointing()
+        try:
+            checkpointed = common.velocity(pipe.transformer, x, torch.tensor(0.5), cond)
+        finally:
+            pipe.transformer.disable_gradient_checkpointing()
+    assert (plain - checkpointed).abs().max() > 1e-3
