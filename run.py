@@ -310,6 +310,8 @@ def check_resolution(model: Path, resolution: int, name: str = "resolution"):
     factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
     if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
         factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
+    if "spatio_temporal_scaling" in vae:  # LTX-Video's VAE: patchified input, then one halving per scaling block
+        factor = vae.get("spatial_compression_ratio") or vae.get("patch_size", 1) * 2 ** sum(vae["spatio_temporal_scaling"])
     cls = transformer.get("_class_name", "")
     patch = (  # FLUX.1 and Chroma pack 2x2 latent patches into tokens outside the transformer
         2 if "Flux" in cls or "Chroma" in cls else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]

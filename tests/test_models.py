@@ -18,7 +18,7 @@ import models
 import run
 from models import flux
 
-FRAMES = 5  # Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2)
+FRAMES = 5  # Wan and LTX videos of 5 frames (3 latent frames with the tiny VAEs' temporal factor 2)
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
@@ -75,6 +75,9 @@ FAMILIES = {
     "chroma": ("chroma", 32, 1e-5),
     # one batched 2B call, as the pipeline; zeroed padding tokens, no mask; the card passes our grid as SD3's does
     "auraflow": ("auraflow", 32, 1e-5),
+    # one batched 2B call with the text masks, as the pipeline, which sets the same grid itself; fp32 latents as ours;
+    # decoded at its default decode timestep 0
+    "ltx": ("ltx", 32, 1e-5),
 }
 # the settings each family is compared in; the prompts (8 to 16 characters) always differ in length
 SETTINGS = {
@@ -89,6 +92,8 @@ CASES = [(f, s) for f in sorted(FAMILIES) for s in SETTINGS if not (s == "negati
 
 def pipeline_latents(pipe, noise):
     """Our initial noise in the layout the pipeline's `latents` argument takes (FLUX.1, Qwen-Image: 2x2 tokens)."""
+    if pipe.family.name == "ltx":
+        return models.ltx.pack_latents(noise, 1, 1)
     return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage", "chroma") else noise
 
 
@@ -132,10 +137,8 @@ def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) ->
     setup, call, output = run.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
     scope = {"pipe": stock, "np": np, "torch": torch, "prompt": list(PROMPTS)}  # ZImagePipeline rewrites its lists: copies
     exec("\n".join(setup), scope)
-    kwargs = {k: eval(v, scope) for k, v in call.items()}
-    ref = getattr(
-        stock(prompt=scope["prompt"], latents=pipeline_latents(pipe, noise.clone()), output_type="pt", **kwargs), output
-    )
+    kwargs = {**{k: eval(v, scope) for k, v in call.items()}, "output_type": "pt"}  # the card's (LTX: "np") replaced
+    ref = getattr(stock(prompt=scope["prompt"], latents=pipeline_latents(pipe, noise.clone()), **kwargs), output)
     torch.testing.assert_close(out.sigmas, stock.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule the pipeline set
     assert ours.shape == ref.shape
     assert (ours - ref.flip(0)).abs().max().item() > 1e-3  # the comparison can fail: other prompts give other images
@@ -151,7 +154,7 @@ def test_ode_sampler_matches_the_pipeline(family, setting, family_dirs):
 
 
 def frames(family):
-    return FRAMES if family == "wan" else None
+    return FRAMES if family in ("wan", "ltx") else None
 
 
 def load_algo(name: str):
@@ -337,6 +340,7 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
         ("THUDM/CogView4-6B", "CogView4Pipeline"),
         ("lodestones/Chroma1-HD", "ChromaPipeline"),
         ("fal/AuraFlow-v0.3", "AuraFlowPipeline"),
+        ("Lightricks/LTX-Video", "LTXPipeline"),
     ],
 )
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
@@ -446,6 +450,8 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("chroma", "--gradient-checkpointing", "drops the text mask in its checkpointed single-stream blocks"),
     ("chroma", "--resolution 34", "resolution 34 must be a multiple of 4"),  # VAE factor 2 x FLUX.1's 2x2 packing
     ("auraflow", "--width 96", "(16 patches per side, at most 64 pixels)"),  # its table: 256 patches, a 16 x 16 grid
+    ("ltx", "--num-frames 4", "--num-frames 4 must be 2 k + 1 (the VAE's temporal ratio 2)"),
+    ("ltx", "--height 31", "height 31 must be a multiple of 2"),
 ]
 
 

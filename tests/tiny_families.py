@@ -576,3 +576,61 @@ def auraflow(path):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.73),
     ).save_pretrained(path)
     return str(path)
+
+
+def ltx(path):
+    """LTXPipeline: a T5 encoder (the byte-level tokenizer stands in for T5's), a timestep-conditioned LTX VAE (0.9.1+)
+    with one spatio-temporal halving (ratios 2 and 2) and non-trivial latents_mean/std/scaling_factor, the released
+    scheduler config's form (dynamic shift, shift_terminal 0.1)."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)
+    torch.manual_seed(0)
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=16,
+    )
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=4,
+        block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, False),
+        decoder_spatio_temporal_scaling=(True, False),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("conv", "conv"),
+        upsample_residual=(False, False),
+        upsample_factor=(1, 1),
+        timestep_conditioning=True,
+        patch_size=1,
+        patch_size_t=1,
+        scaling_factor=0.8,
+    )
+    vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    vae.latents_std.copy_(torch.tensor([1.5, 0.7, 1.2, 2.0]))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+    LTXPipeline(
+        tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(path)
+    return str(path)
