@@ -312,6 +312,8 @@ def check_resolution(model: Path, resolution: int, name: str = "resolution"):
         factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
     if "spatio_temporal_scaling" in vae:  # LTX-Video's VAE: patchified input, then one halving per scaling block
         factor = vae.get("spatial_compression_ratio") or vae.get("patch_size", 1) * 2 ** sum(vae["spatio_temporal_scaling"])
+    if vae.get("_class_name") == "AutoencoderKLHunyuanVideo":  # its blocks downsample as its configured ratio says
+        factor = vae.get("spatial_compression_ratio", 8)
     cls = transformer.get("_class_name", "")
     patch = (  # FLUX.1 and Chroma pack 2x2 latent patches into tokens outside the transformer
         2 if "Flux" in cls or "Chroma" in cls else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]

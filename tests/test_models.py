@@ -18,7 +18,7 @@ import models
 import run
 from models import flux
 
-FRAMES = 5  # Wan and LTX videos of 5 frames (3 latent frames with the tiny VAEs' temporal factor 2)
+FRAMES = 5  # videos of 5 frames (3 latent frames with Wan's and LTX's tiny VAEs, temporal ratio 2; 2 with HunyuanVideo's, 4)
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
@@ -78,6 +78,8 @@ FAMILIES = {
     # one batched 2B call with the text masks, as the pipeline, which sets the same grid itself; fp32 latents as ours;
     # decoded at its default decode timestep 0
     "ltx": ("ltx", 32, 1e-5),
+    # one call with the guidance embedding (x 1000), as the pipeline, which passes our grid itself (no negative prompt)
+    "hunyuan_video": ("hunyuan_video", 32, 1e-5),
 }
 # the settings each family is compared in; the prompts (8 to 16 characters) always differ in length
 SETTINGS = {
@@ -86,7 +88,11 @@ SETTINGS = {
     "negative_prompt": dict(guidance_scale=4.0, negative_prompt="blurry, low quality"),
     "non_square": dict(guidance_scale=4.0, wide=True),  # width = 2 x height
 }
-NO_NEGATIVE = {"flux_dev", "flux2_dev"}  # guidance embedding, one pass: a negative prompt is refused (FAMILY_BAD_INPUTS)
+NO_NEGATIVE = {
+    "flux_dev",
+    "flux2_dev",
+    "hunyuan_video",
+}  # guidance embedding, one pass: a negative prompt is refused (FAMILY_BAD_INPUTS)
 CASES = [(f, s) for f in sorted(FAMILIES) for s in SETTINGS if not (s == "negative_prompt" and f in NO_NEGATIVE)]
 
 
@@ -154,7 +160,7 @@ def test_ode_sampler_matches_the_pipeline(family, setting, family_dirs):
 
 
 def frames(family):
-    return FRAMES if family in ("wan", "ltx") else None
+    return FRAMES if family in ("wan", "ltx", "hunyuan_video") else None
 
 
 def load_algo(name: str):
@@ -341,6 +347,7 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
         ("lodestones/Chroma1-HD", "ChromaPipeline"),
         ("fal/AuraFlow-v0.3", "AuraFlowPipeline"),
         ("Lightricks/LTX-Video", "LTXPipeline"),
+        ("hunyuanvideo-community/HunyuanVideo", "HunyuanVideoPipeline"),
     ],
 )
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
@@ -452,6 +459,9 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("auraflow", "--width 96", "(16 patches per side, at most 64 pixels)"),  # its table: 256 patches, a 16 x 16 grid
     ("ltx", "--num-frames 4", "--num-frames 4 must be 2 k + 1 (the VAE's temporal ratio 2)"),
     ("ltx", "--height 31", "height 31 must be a multiple of 2"),
+    ("hunyuan_video", "--guidance-scale 4 --negative-prompt blurry", "HunyuanVideo's guidance is an embedding"),
+    ("hunyuan_video", "--num-frames 7", "--num-frames 7 must be 4 k + 1 (the VAE's temporal ratio 4)"),
+    ("hunyuan_video", "--width 36", "width 36 must be a multiple of 8"),  # spatial ratio 4 x patch 2
 ]
 
 

@@ -634,3 +634,104 @@ def ltx(path):
         tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
     ).save_pretrained(path)
     return str(path)
+
+
+def word_tokenizer(texts, max_length: int, eos: bool):
+    """A word-level tokenizer (whitespace and punctuation split) over the words of `texts`, unknown words -> [UNK];
+    `eos`: append </s> (CLIP pools its text at that token, so the pooled vector then depends on the whole prompt)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "</s>"]
+    words = dict.fromkeys(w for t in texts for w, _ in Whitespace().pre_tokenize_str(t))
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    if eos:
+        tok.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="</s>", model_max_length=max_length
+    )
+
+
+def hunyuan_video(path):
+    """HunyuanVideoPipeline (the released T2V: guidance embedding): a Llama encoder (hidden_states[-3]) whose word-level
+    tokenizer makes the pipeline's prompt template 99 tokens before the prompt, so its fixed crop of 95 keeps the prompt
+    and 256 + 95 tokens hold it whole; a CLIP text encoder for the pooled vector (its tokenizer appends </s>, id 2, which
+    CLIP pools at); a 3-block causal 3-D VAE (spatial ratio 4, temporal 4); static shift 7."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    words = [DEFAULT_PROMPT_TEMPLATE["template"], "a red circle two blue squares square blurry, low quality"]
+    tok, tok_2 = word_tokenizer(words, 1024, eos=False), word_tokenizer(words, 77, eos=True)
+    torch.manual_seed(0)
+    text_encoder = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=512,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    text_encoder_2 = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok_2),
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
+    )
+    torch.manual_seed(1)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+    )
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=False,
+    )
+    HunyuanVideoPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tok_2,
+    ).save_pretrained(path)
+    return str(path)
