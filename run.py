@@ -310,15 +310,20 @@ def check_resolution(model: Path, resolution: int, name: str = "resolution"):
     factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1)  # the pipelines' vae_scale_factor
     if "temperal_downsample" in vae:  # the 3-D VAEs of Wan and Qwen-Image
         factor = vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"])
-    patch = (
-        2
-        if "Flux" in transformer.get("_class_name", "")
-        else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
+    if "spatio_temporal_scaling" in vae:  # LTX-Video's VAE: patchified input, then one halving per scaling block
+        factor = vae.get("spatial_compression_ratio") or vae.get("patch_size", 1) * 2 ** sum(vae["spatio_temporal_scaling"])
+    if vae.get("_class_name") == "AutoencoderKLHunyuanVideo":  # its blocks downsample as its configured ratio says
+        factor = vae.get("spatial_compression_ratio", 8)
+    cls = transformer.get("_class_name", "")
+    patch = (  # FLUX.1 and Chroma pack 2x2 latent patches into tokens outside the transformer
+        2 if "Flux" in cls or "Chroma" in cls else transformer.get("patch_size") or transformer.get("all_patch_size", [1])[0]
     )
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # Wan: (1, 2, 2)
     if resolution % (factor * patch) or resolution < factor * patch:
         raise UserError(f"{name} {resolution} must be a multiple of {factor * patch}")
     max_patches = transformer.get("pos_embed_max_size")  # SD3's learned position table: patches per side
+    if max_patches and "AuraFlow" in cls:  # AuraFlow's counts the patches of its square grid
+        max_patches = int(max_patches**0.5)
     if max_patches and resolution // (factor * patch) > max_patches:
         raise UserError(
             f"--{name} {resolution}: beyond the transformer's position embeddings ({max_patches} patches per side, "

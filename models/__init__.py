@@ -19,9 +19,9 @@ import torch
 import common
 from common import FAMILIES, Family, UserError, family_of, mu_for, short, sigma_schedule
 
-from . import cogview4, flux, flux2, lumina2, qwenimage, sana, sd3, wan, zimage
+from . import auraflow, chroma, cogview4, flux, flux2, hunyuanvideo, ltx, lumina2, qwenimage, sana, sd3, wan, zimage
 
-for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2, cogview4):
+for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2, cogview4, chroma, auraflow, ltx, hunyuanvideo):
     common.register(_module.FAMILY)
 
 
@@ -130,6 +130,10 @@ HUB_NAMES = (
     ("sana", "SanaPipeline"),
     ("lumina-image-2", "Lumina2Pipeline"),
     ("cogview4", "CogView4Pipeline"),
+    ("chroma", "ChromaPipeline"),
+    ("auraflow", "AuraFlowPipeline"),
+    ("ltx-video", "LTXPipeline"),
+    ("hunyuanvideo", "HunyuanVideoPipeline"),
     ("stable-diffusion-3", "StableDiffusion3Pipeline"),
     ("sd3", "StableDiffusion3Pipeline"),
 )

@@ -18,7 +18,7 @@ import models
 import run
 from models import flux
 
-FRAMES = 5  # Wan videos of 5 frames (3 latent frames with the tiny VAE's temporal factor 2)
+FRAMES = 5  # videos of 5 frames (3 latent frames with Wan's and LTX's tiny VAEs, temporal ratio 2; 2 with HunyuanVideo's, 4)
 
 PROMPTS = ["a red circle", "two blue squares", "a square"]
 CPU = torch.device("cpu")
@@ -70,6 +70,16 @@ FAMILIES = {
     # the same two CFG passes; WanPipeline takes no sigmas (the card's scheduler sets our grid) and returns video
     # [B, F, 3, H, W]; prompts encoded alone as for Qwen-Image: measured 7.2e-7
     "wan": ("wan", 32, 1e-5),
+    # the same two passes (conditional first) with the pipeline's float text mask and its first visible padding token;
+    # FLUX.1's packing and ids
+    "chroma": ("chroma", 32, 1e-5),
+    # one batched 2B call, as the pipeline; zeroed padding tokens, no mask; the card passes our grid as SD3's does
+    "auraflow": ("auraflow", 32, 1e-5),
+    # one batched 2B call with the text masks, as the pipeline, which sets the same grid itself; fp32 latents as ours;
+    # decoded at its default decode timestep 0
+    "ltx": ("ltx", 32, 1e-5),
+    # one call with the guidance embedding (x 1000), as the pipeline, which passes our grid itself (no negative prompt)
+    "hunyuan_video": ("hunyuan_video", 32, 1e-5),
 }
 # the settings each family is compared in; the prompts (8 to 16 characters) always differ in length
 SETTINGS = {
@@ -78,13 +88,19 @@ SETTINGS = {
     "negative_prompt": dict(guidance_scale=4.0, negative_prompt="blurry, low quality"),
     "non_square": dict(guidance_scale=4.0, wide=True),  # width = 2 x height
 }
-NO_NEGATIVE = {"flux_dev", "flux2_dev"}  # guidance embedding, one pass: a negative prompt is refused (FAMILY_BAD_INPUTS)
+NO_NEGATIVE = {
+    "flux_dev",
+    "flux2_dev",
+    "hunyuan_video",
+}  # guidance embedding, one pass: a negative prompt is refused (FAMILY_BAD_INPUTS)
 CASES = [(f, s) for f in sorted(FAMILIES) for s in SETTINGS if not (s == "negative_prompt" and f in NO_NEGATIVE)]
 
 
 def pipeline_latents(pipe, noise):
     """Our initial noise in the layout the pipeline's `latents` argument takes (FLUX.1, Qwen-Image: 2x2 tokens)."""
-    return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage") else noise
+    if pipe.family.name == "ltx":
+        return models.ltx.pack_latents(noise, 1, 1)
+    return flux.pack_latents(noise) if pipe.family.name in ("flux", "qwenimage", "chroma") else noise
 
 
 def load(family, family_dirs, setting="cfg"):
@@ -127,10 +143,8 @@ def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) ->
     setup, call, output = run.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
     scope = {"pipe": stock, "np": np, "torch": torch, "prompt": list(PROMPTS)}  # ZImagePipeline rewrites its lists: copies
     exec("\n".join(setup), scope)
-    kwargs = {k: eval(v, scope) for k, v in call.items()}
-    ref = getattr(
-        stock(prompt=scope["prompt"], latents=pipeline_latents(pipe, noise.clone()), output_type="pt", **kwargs), output
-    )
+    kwargs = {**{k: eval(v, scope) for k, v in call.items()}, "output_type": "pt"}  # the card's (LTX: "np") replaced
+    ref = getattr(stock(prompt=scope["prompt"], latents=pipeline_latents(pipe, noise.clone()), **kwargs), output)
     torch.testing.assert_close(out.sigmas, stock.scheduler.sigmas.float(), atol=1e-6, rtol=0)  # the schedule the pipeline set
     assert ours.shape == ref.shape
     assert (ours - ref.flip(0)).abs().max().item() > 1e-3  # the comparison can fail: other prompts give other images
@@ -146,7 +160,7 @@ def test_ode_sampler_matches_the_pipeline(family, setting, family_dirs):
 
 
 def frames(family):
-    return FRAMES if family == "wan" else None
+    return FRAMES if family in ("wan", "ltx", "hunyuan_video") else None
 
 
 def load_algo(name: str):
@@ -330,6 +344,10 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
         ("Efficient-Large-Model/Sana_1600M_1024px_diffusers", "SanaPipeline"),
         ("Alpha-VLLM/Lumina-Image-2.0", "Lumina2Pipeline"),
         ("THUDM/CogView4-6B", "CogView4Pipeline"),
+        ("lodestones/Chroma1-HD", "ChromaPipeline"),
+        ("fal/AuraFlow-v0.3", "AuraFlowPipeline"),
+        ("Lightricks/LTX-Video", "LTXPipeline"),
+        ("hunyuanvideo-community/HunyuanVideo", "HunyuanVideoPipeline"),
     ],
 )
 def test_hub_ids_without_a_folder_map_to_their_family(hub_id, expected):
@@ -436,6 +454,14 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("cogview4", "--num-frames 5", "CogView4Pipeline makes images, not videos"),
     ("lumina2", "--height 64 --width 60", "width 60 must be a multiple of 16"),
     ("wan", "--max-sequence-length 100", "--max-sequence-length 100: this model's tokenizer takes at most 32 tokens"),
+    ("chroma", "--gradient-checkpointing", "drops the text mask in its checkpointed single-stream blocks"),
+    ("chroma", "--resolution 34", "resolution 34 must be a multiple of 4"),  # VAE factor 2 x FLUX.1's 2x2 packing
+    ("auraflow", "--width 96", "(16 patches per side, at most 64 pixels)"),  # its table: 256 patches, a 16 x 16 grid
+    ("ltx", "--num-frames 4", "--num-frames 4 must be 2 k + 1 (the VAE's temporal ratio 2)"),
+    ("ltx", "--height 31", "height 31 must be a multiple of 2"),
+    ("hunyuan_video", "--guidance-scale 4 --negative-prompt blurry", "HunyuanVideo's guidance is an embedding"),
+    ("hunyuan_video", "--num-frames 7", "--num-frames 7 must be 4 k + 1 (the VAE's temporal ratio 4)"),
+    ("hunyuan_video", "--width 36", "width 36 must be a multiple of 8"),  # spatial ratio 4 x patch 2
 ]
 
 
@@ -487,3 +513,40 @@ def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs
 
     pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
     assert (pipe.transformer_2 is not None) == (variant == "a14b")
+
+
+@pytest.mark.parametrize("family", ["chroma", "auraflow"])
+def test_t5_families_encode_the_test_prompts_whole_with_the_pipelines_padding(family, family_dirs):
+    """Chroma and AuraFlow pad T5's output to max_sequence_length (the tiny tokenizer's 32: no prompt of the tests is
+    cut). Chroma's mask shows each prompt's tokens and the first padding token; AuraFlow's padding tokens are zeros."""
+    pipe = models.load_pipeline(family_dirs(family), CPU, resolution=32)
+    enc = common.PromptEncoder(pipe, negative_prompt="blurry, low quality")
+    texts = [*PROMPTS, "blurry, low quality", ""]
+    lengths = [len(pipe.tokenizer(t).input_ids) for t in texts]
+    assert enc.max_sequence_length == 32 and max(lengths) < 32
+    embeds, extra = enc(texts)
+    assert embeds.shape[1] == 32
+    if family == "chroma":
+        expected = torch.arange(32)[None] <= torch.tensor(lengths)[:, None]  # ChromaPipeline: one padding token visible
+        assert torch.equal(extra, expected.float())
+    else:
+        assert extra.shape == (len(texts), 0)
+        nonzero = embeds.abs().sum(-1) > 0
+        assert torch.equal(nonzero, torch.arange(32)[None] < torch.tensor(lengths)[:, None])
+
+
+def test_chroma_checkpointed_blocks_lose_the_mask_so_checkpointing_is_refused(family_dirs):
+    """Why models/chroma.py refuses --gradient-checkpointing: diffusers' checkpointed single-stream blocks run without
+    the text mask, so the same weights give another velocity with grad on (2.3e-2 here). When diffusers passes the mask
+    this fails, and the refusal can go."""
+    pipe = models.load_pipeline(family_dirs("chroma"), CPU, resolution=32)
+    cond = common.PromptEncoder(pipe).cond(PROMPTS[:2], negative=False)
+    x = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        plain = common.velocity(pipe.transformer, x, torch.tensor(0.5), cond)
+        pipe.transformer.enable_gradient_checkpointing()
+        try:
+            checkpointed = common.velocity(pipe.transformer, x, torch.tensor(0.5), cond)
+        finally:
+            pipe.transformer.disable_gradient_checkpointing()
+    assert (plain - checkpointed).abs().max() > 1e-3

@@ -475,3 +475,263 @@ def cogview4(path):
         tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
     ).save_pretrained(path)
     return str(path)
+
+
+def vae_2x(scaling_factor: float, shift_factor=None):
+    """A tiny 2x-downsampling AutoencoderKL with 4 latent channels (Chroma's and AuraFlow's layout at tiny size)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=32,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
+
+
+def chroma(path):
+    """ChromaPipeline: a T5 encoder (the byte-level tokenizer stands in for T5's), a FLUX.1-style VAE (factor 2,
+    scale/shift factors), FLUX.1-dev's dynamically shifted scheduler config."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)  # the test prompts and negative prompt (at most 19 bytes) leave padding
+    torch.manual_seed(0)
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    ChromaPipeline(
+        scheduler=scheduler,
+        vae=vae_2x(scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def auraflow(path):
+    """AuraFlowPipeline: a UMT5 encoder (the byte-level tokenizer stands in for Pile-T5's), an SDXL-style VAE (factor
+    2, a scaling factor and no shift), the released scheduler config (static shift 1.73)."""
+    from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)
+    torch.manual_seed(0)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = AuraFlowTransformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=256,
+    )
+    # AuraFlow adds attention to the residual stream only through its gated feed-forward (`gate_msa`, then `gate_mlp`):
+    # at random init the gates are ~0.04 and a LoRA on the attention moves the images by ~1e-5, below the tolerance;
+    # gates ~0.4 make the adapted path show (a trained model's gates are not small either)
+    with torch.no_grad():
+        for name, module in transformer.named_modules():
+            if name.endswith(("norm1.linear", "norm1_context.linear")):
+                module.weight.mul_(10)
+    AuraFlowPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        vae=vae_2x(scaling_factor=0.13025),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.73),
+    ).save_pretrained(path)
+    return str(path)
+
+
+def ltx(path):
+    """LTXPipeline: a T5 encoder (the byte-level tokenizer stands in for T5's), a timestep-conditioned LTX VAE (0.9.1+)
+    with one spatio-temporal halving (ratios 2 and 2) and non-trivial latents_mean/std/scaling_factor, the released
+    scheduler config's form (dynamic shift, shift_terminal 0.1)."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    tok = qwen_tokenizer(max_length=32)
+    torch.manual_seed(0)
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=16, d_kv=8, num_heads=2, num_layers=1, d_ff=32, pad_token_id=tok.pad_token_id)
+    )
+    torch.manual_seed(1)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=16,
+    )
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=4,
+        block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, False),
+        decoder_spatio_temporal_scaling=(True, False),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("conv", "conv"),
+        upsample_residual=(False, False),
+        upsample_factor=(1, 1),
+        timestep_conditioning=True,
+        patch_size=1,
+        patch_size_t=1,
+        scaling_factor=0.8,
+    )
+    vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    vae.latents_std.copy_(torch.tensor([1.5, 0.7, 1.2, 2.0]))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+    LTXPipeline(
+        tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(path)
+    return str(path)
+
+
+def word_tokenizer(texts, max_length: int, eos: bool):
+    """A word-level tokenizer (whitespace and punctuation split) over the words of `texts`, unknown words -> [UNK];
+    `eos`: append </s> (CLIP pools its text at that token, so the pooled vector then depends on the whole prompt)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "</s>"]
+    words = dict.fromkeys(w for t in texts for w, _ in Whitespace().pre_tokenize_str(t))
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    if eos:
+        tok.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="</s>", model_max_length=max_length
+    )
+
+
+def hunyuan_video(path):
+    """HunyuanVideoPipeline (the released T2V: guidance embedding): a Llama encoder (hidden_states[-3]) whose word-level
+    tokenizer makes the pipeline's prompt template 99 tokens before the prompt, so its fixed crop of 95 keeps the prompt
+    and 256 + 95 tokens hold it whole; a CLIP text encoder for the pooled vector (its tokenizer appends </s>, id 2, which
+    CLIP pools at); a 3-block causal 3-D VAE (spatial ratio 4, temporal 4); static shift 7."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    words = [DEFAULT_PROMPT_TEMPLATE["template"], "a red circle two blue squares square blurry, low quality"]
+    tok, tok_2 = word_tokenizer(words, 1024, eos=False), word_tokenizer(words, 77, eos=True)
+    torch.manual_seed(0)
+    text_encoder = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=512,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    text_encoder_2 = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok_2),
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
+    )
+    torch.manual_seed(1)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+    )
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=False,
+    )
+    HunyuanVideoPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tok_2,
+    ).save_pretrained(path)
+    return str(path)
