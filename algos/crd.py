@@ -526,7 +526,7 @@ def main(args: Args):
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with models.reference_model(transformer):
                             v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg) if args.kl_beta > 0 else None
-                            if not args.use_old_for_loss:  # implicit reward relative to the base model itself
+                            if not args.use_old_for_loss:
                                 v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.use_old_for_loss:
                             with models.swapped_weights(params, old_snapshot):

@@ -381,7 +381,7 @@ def main(args: Args):
     if dist.is_main:
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
-    # ALGO LOGIC: whole groups per micro-batch, the fast "old" EMA (ema_ref), the timestep-clip window
+    # ALGO LOGIC: ema_ref, the fast EMA: anchor of the DSM clip, and the rollout policy after off_policy_after steps
     ema_ref = [p.detach().clone() for p in params]
     snapshots = {"ema_ref": ema_ref}  # saved with every checkpoint
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
@@ -505,7 +505,7 @@ def main(args: Args):
                         xt = (1 - s) * x0[sl] + s * eps[sl]
                         v_ref = v_ema_ref = None
                         with torch.no_grad(), common.autocast(device, args.mixed_precision):
-                            if args.kl_beta > 0 or not args.use_ema_ref:  # the frozen base, CFG kl_cfg
+                            if args.kl_beta > 0 or not args.use_ema_ref:
                                 with models.reference_model(transformer):
                                     v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg)
                             if args.clip_dsm or args.use_ema_ref:  # the fast EMA, as of the last optimizer step

@@ -436,7 +436,6 @@ def main(args: Args):
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
-            # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             noise = common.randn(
                 (local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys)

@@ -489,7 +489,6 @@ def main(args: Args):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
                     s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))
                     xt = (1 - s) * x0[sl] + s * eps
-                    # the old policy's and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with models.swapped_weights(params, old_snapshot):
                             v_old = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
