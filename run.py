@@ -35,7 +35,8 @@ def run_main(main, args, argv: Optional[Sequence[str]] = None):
     were given, to compare them with a resumed run's."""
     import signal
 
-    _CLI["argv"] = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _CLI["argv"] = upgrade_argv(argv, type(args), warn=False) if is_dataclass(args) else argv
     try:
         check_integrations(args)
         main(args)
@@ -351,49 +352,110 @@ def _plain_json(value):
     return json.loads(json.dumps(value, default=str))
 
 
-# Args renamed since checkpoints were first written: the old name -> today's, so that those runs resume with their own
-# settings (the decay schedules became `<snapshot>_decay_start/_flat_steps/_ramp/_max` in every script)
+# Args renamed since checkpoints were first written, per script: the old name -> today's. Checkpoints that hold an old
+# name resume with their own settings (`upgrade_saved_args`), and an old flag still works on the command line
+# (`upgrade_argv`), in the script that had it only.
 RENAMED_ARGS = {
-    "decay_flat_steps": "old_decay_flat_steps",  # nft
-    "decay_ramp": "old_decay_ramp",
-    "decay_max": "old_decay_max",
-    "ema_decay": "ema_decay_max",  # awm (its ema_decay_ramp kept its name)
-    "ema_ref_max_decay": "ema_ref_decay_max",  # dgpo
-    "ema_ref_ramp_rate": "ema_ref_decay_ramp",
+    "nft": {"decay_flat_steps": "old_decay_flat_steps", "decay_ramp": "old_decay_ramp", "decay_max": "old_decay_max"},
+    "awm": {"ema_decay": "ema_decay_max"},
+    "dgpo": {
+        "ema_ref_max_decay": "ema_ref_decay_max",
+        "ema_ref_ramp_rate": "ema_ref_decay_ramp",
+        "switch_ema_ref": "off_policy_after",  # a step count, unlike the off_policy switch of nft and awm
+    },
+    "crd": {"adaptive_logp": "adaptive_weighting"},  # DiffusionNFT's name for the same self-normalised error
 }
+# CRD's former `--<snapshot>-model-decay "flat_steps-start-ramp-max"` strings, now four fields per snapshot
+DECAY_STRINGS = {"crd": ("old", "sampling")}
+# snapshots saved under another key by an earlier version, per script: {old key: today's key}
+RENAMED_SNAPSHOTS = {"nft": {"ema": "old"}}
 
 
-def upgrade_saved_args(saved: dict) -> dict:
-    """A checkpoint's Args under today's field names (`RENAMED_ARGS`), CRD's former decay strings
-    `--old-model-decay` / `--sampling-model-decay` "flat_steps-start-ramp-max" split into their four fields."""
-    saved = {RENAMED_ARGS.get(k, k): v for k, v in saved.items()}
-    for snapshot in ("old", "sampling"):
-        spec = saved.pop(f"{snapshot}_model_decay", None)
-        if spec is None:
-            continue
-        try:
-            flat_steps, start, ramp, max_decay = (float(x) for x in str(spec).split("-"))
-            assert flat_steps == int(flat_steps)
-        except (ValueError, AssertionError):
-            raise UserError(
-                f"the checkpoint's {snapshot}_model_decay {spec!r} is not flat_steps-start-ramp-max; "
-                f"pass its values as --{snapshot}-decay-flat-steps/-start/-ramp/-max"
-            )
-        saved.update(
-            {
-                f"{snapshot}_decay_start": start,
-                f"{snapshot}_decay_flat_steps": int(flat_steps),
-                f"{snapshot}_decay_ramp": ramp,
-                f"{snapshot}_decay_max": max_decay,
-            }
+def _decay_fields(snapshot: str, spec) -> dict:
+    """CRD's former `--<snapshot>-model-decay` string "flat_steps-start-ramp-max" as today's four fields."""
+    try:
+        flat_steps, start, ramp, max_decay = (float(x) for x in str(spec).split("-"))
+        assert flat_steps == int(flat_steps)
+    except (ValueError, AssertionError):
+        raise UserError(
+            f"{snapshot}_model_decay {spec!r} is not flat_steps-start-ramp-max; "
+            f"pass its values as --{snapshot}-decay-flat-steps/-start/-ramp/-max"
         )
+    return {
+        f"{snapshot}_decay_start": start,
+        f"{snapshot}_decay_flat_steps": int(flat_steps),
+        f"{snapshot}_decay_ramp": ramp,
+        f"{snapshot}_decay_max": max_decay,
+    }
+
+
+def upgrade_saved_args(saved: dict, algo: str) -> dict:
+    """A checkpoint's Args of script `algo` under today's field names (`RENAMED_ARGS`, `DECAY_STRINGS` split into
+    their four fields)."""
+    renamed = RENAMED_ARGS.get(algo, {})
+    saved = {renamed.get(k, k): v for k, v in saved.items()}
+    for snapshot in DECAY_STRINGS.get(algo, ()):
+        spec = saved.pop(f"{snapshot}_model_decay", None)
+        if spec is not None:
+            try:
+                saved.update(_decay_fields(snapshot, spec))
+            except UserError as e:
+                raise UserError(f"the checkpoint's {e}") from None
     return saved
+
+
+def upgrade_argv(argv: Sequence[str], args_class, warn: bool = True) -> list:
+    """`argv` of the script that defines `args_class` with each of its renamed flags under today's name
+    (`RENAMED_ARGS`, `--no-<flag>` too; `DECAY_STRINGS` as their four flags), and with `warn` one line on stderr per
+    old name. An old name and its new name given together, or a bad decay string: one line and exit code 2."""
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    algo = Path(inspect.getfile(args_class)).stem
+    renames, decay_strings = RENAMED_ARGS.get(algo, {}), DECAY_STRINGS.get(algo, ())
+    out, renamed, direct = [], {}, set()
+    tokens = list(argv)
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("--") or token == "--":
+            out.append(token)
+            continue
+        flag, has_value, value = token[2:].partition("=")
+        name = flag.replace("-", "_")
+        negated = name.startswith("no_") and name not in fields
+        base = name[3:] if negated else name
+        snapshot = base[: -len("_model_decay")] if base.endswith("_model_decay") else None
+        if base in fields or not (base in renames or snapshot in decay_strings):
+            direct.add(base)
+            out.append(token)
+            continue
+        if snapshot:
+            spec = value if has_value else (tokens.pop(0) if tokens else "")
+            try:
+                new_fields = _decay_fields(snapshot, spec)
+            except UserError as e:
+                print(f"error: --{flag}: {e}", file=sys.stderr)
+                sys.exit(2)
+            for new, v in new_fields.items():
+                renamed[new] = base
+                out += [_flag(new), str(v)]
+            news = f"--{snapshot}-decay-start/-flat-steps/-ramp/-max"
+        else:
+            new = renames[base]
+            renamed[new] = base
+            out.append(_flag(("no_" if negated else "") + new) + (f"={value}" if has_value else ""))
+            news = _flag(new)
+        if warn:
+            print(f"warning: --{flag} is deprecated, use {news}", file=sys.stderr)
+    both = sorted(set(renamed) & direct)
+    if both:
+        print(f"error: {_flag(renamed[both[0]])} and {_flag(both[0])} name the same setting; give one", file=sys.stderr)
+        sys.exit(2)
+    return out
 
 
 def restore_args(args, saved: dict) -> dict:
     """Take a resumed run's hyperparameters from its checkpoint. A flag given now that differs from the saved value
     is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
-    saved = upgrade_saved_args(saved)
+    saved = upgrade_saved_args(saved, _RUN.get("algo", ""))
     hints = typing.get_type_hints(type(args))
     unknown = sorted(set(saved) - set(hints))
     if unknown:
@@ -445,6 +507,9 @@ def start_run(args, script_file: str) -> tuple:
             f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py"
         )
     check_checkpoint_fields(ckpt, ckpt_dir)
+    for old, new in RENAMED_SNAPSHOTS.get(algo, {}).items():
+        if isinstance(ckpt.get("snapshots"), dict) and old in ckpt["snapshots"] and new not in ckpt["snapshots"]:
+            ckpt["snapshots"][new] = ckpt["snapshots"].pop(old)
     overrides = restore_args(args, ckpt["args"])
     check_args(args, fresh=False)
     if args.num_epochs <= ckpt["epoch"]:

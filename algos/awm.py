@@ -167,9 +167,9 @@ class Args:
     ema_decay_ramp: float = 0.001
     """increase of d per optimizer step"""
     ema_decay_max: float = 0.3
-    """the largest EMA decay d"""
+    """the largest decay d of the EMA"""
     off_policy: bool = False
-    """sample and compute old log-likelihoods with the EMA"""
+    """roll out (and take old log-likelihoods) with the EMA, not the current weights"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -276,26 +276,28 @@ def scale_advantages(adv: torch.Tensor, clip: float, advantage_max: float) -> to
     return adv.clamp(-clip, clip) / clip * advantage_max
 
 
-def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float):
-    """PPO's clipped surrogate on the pseudo-likelihood ratio: mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)),
-    r = exp(log p_theta - log p_old). With r = 1 its gradient is -A grad log p_theta: an advantage-weighted
-    flow-matching loss (A > 0 lowers the sample's FM error, A < 0 raises it).
+def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
+    """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
+    mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
 
-    Returns (loss, ratio, approx_kl, clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    `weight` [B] multiplies each sample's term inside the mean. Returns (loss, ratio, approx_kl, clipfrac);
+    approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped).mean()
+    terms = torch.maximum(unclipped, clipped)
+    loss = (terms if weight is None else weight * terms).mean()
     approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
     clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
     return loss, ratio.detach(), approx_kl, clipfrac
 
 
-def velocity_kl(v, v_other) -> torch.Tensor:
-    """E ||v - v_other||^2 (per-element mean, then batch mean): the velocity-space KL surrogate used for both the base
-    model and the EMA (the official code's "Uniform" KL weighting)."""
-    return (v - v_other).pow(2).flatten(1).mean(1).mean()
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
 
 
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
@@ -502,9 +504,10 @@ def main(args: Args):
                 with common.autocast(device, args.mixed_precision):
                     v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                 log_prob = pseudo_log_prob(v, v_target, s, args.weighting, args.ghuber_power)
+                # at r = 1 the gradient is -A grad log p: an advantage-weighted flow-matching loss (A > 0 lowers the error)
                 policy_loss, ratio, approx_kl, clipfrac = ppo_loss(log_prob, old_lp, adv[sl], args.clip_low, args.clip_high)
-                kl = velocity_kl(v, v_ref) if v_ref is not None else torch.zeros((), device=device)
-                kl_ema = velocity_kl(v, v_ema) if v_ema is not None else torch.zeros((), device=device)
+                kl = velocity_kl(v, v_ref).mean() if v_ref is not None else torch.zeros((), device=device)
+                kl_ema = velocity_kl(v, v_ema).mean() if v_ema is not None else torch.zeros((), device=device)
                 loss = policy_loss + args.kl_beta * kl + args.ema_kl_beta * kl_ema
                 (loss / per_step).backward()
                 fm_loss = fm_error(v.detach(), v_target).mean()  # unweighted, a drift diagnostic
@@ -579,4 +582,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))

@@ -151,7 +151,7 @@ class Args:
     """tau of the centring weights: <0 mean, >0 softmax, 0 hard pools"""
     centering: Literal["group", "batch"] = "group"
     """centre within each prompt's group or over the micro-batch"""
-    adaptive_logp: bool = True
+    adaptive_weighting: bool = True
     """divide each velocity error by its detached mean |error|"""
     use_old_for_loss: bool = True
     """implicit reward relative to the "old" snapshot, else the base"""
@@ -162,15 +162,15 @@ class Args:
     old_decay_ramp: float = 0.005
     """increase of d per optimizer step"""
     old_decay_max: float = 0.999
-    """the largest d of the old snapshot"""
+    """the largest decay d of the old snapshot"""
     sampling_decay_start: float = 0.0
-    """decay d of the rollout snapshot at first"""
+    """decay d of the sampling snapshot at first"""
     sampling_decay_flat_steps: int = 75
     """steps before d starts to ramp"""
     sampling_decay_ramp: float = 0.0075
     """increase of d per optimizer step"""
     sampling_decay_max: float = 0.999
-    """the largest d of the sampling snapshot"""
+    """the largest decay d of the sampling snapshot"""
     kl_beta: float = 1.0
     """KL weight to the CFG-guided base model at reward 1"""
     kl_cfg: float = 4.5
@@ -251,8 +251,9 @@ def aggregate_advantages(
 
 
 # ALGO LOGIC: CRD's math as small pure functions
-def advantage_to_unit(adv: torch.Tensor, clip: float) -> torch.Tensor:
-    """A in [-c, c] -> a in [0, 1], with A = 0 -> 0.5 (as DiffusionNFT's r)."""
+def optimality_probability(adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (DiffusionNFT
+    Algorithm 1, line 5)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
 
 
@@ -325,16 +326,18 @@ def kl_weight(reward, a, kl_beta: float, floor: float, mode: str) -> torch.Tenso
     return floor + level * (kl_beta - floor)
 
 
-def kl_to_base(v, v_ref, weight) -> torch.Tensor:
-    """E_i w_i ||v_i - v_ref_i||^2: velocity-space KL to the CFG-guided base model, weighted per sample."""
-    return (weight * (v - v_ref).pow(2).flatten(1).mean(1)).mean()
-
-
 def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
     """Pearson correlation; NaN when either side is constant (e.g. a batch of zero-variance groups)."""
     x, y = x - x.mean(), y - y.mean()
     denom = (x.norm() * y.norm()).item()
     return (x * y).sum().item() / denom if denom > 1e-12 else float("nan")
+
+
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
 
 
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
@@ -501,7 +504,7 @@ def main(args: Args):
             adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )
-            a_all = advantage_to_unit(adv, args.adv_clip)
+            a_all = optimality_probability(adv, args.adv_clip)
             kl_w = kl_weight(rewards.total(scores), a_all, args.kl_beta, args.kl_floor, args.kl_adaptive)[local_idx].to(device)
             a = a_all[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
@@ -523,7 +526,7 @@ def main(args: Args):
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         with models.reference_model(transformer):
                             v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg) if args.kl_beta > 0 else None
-                            if not args.use_old_for_loss:  # implicit reward relative to the base model itself
+                            if not args.use_old_for_loss:
                                 v_anchor = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                         if args.use_old_for_loss:
                             with models.swapped_weights(params, old_snapshot):
@@ -538,10 +541,10 @@ def main(args: Args):
             for sl, s, xt, v_target, v_anchor, v_ref in batches:
                 with common.autocast(device, args.mixed_precision):
                     v = common.velocity(transformer, xt, s, cond[sl], args.guidance_scale)
-                r_theta = implicit_reward(v, v_anchor, v_target, args.adaptive_logp)
+                r_theta = implicit_reward(v, v_anchor, v_target, args.adaptive_weighting)
                 policy_loss = crd_loss(r_theta, a[sl], set_size, args.crd_beta, args.loss_type, args.weight_temp)
                 policy_loss = policy_loss * args.adv_clip / max(args.crd_beta, 1e-8)  # Flow-Factory's scale: x c / beta
-                kl = kl_to_base(v, v_ref, kl_w[sl]) if v_ref is not None else torch.zeros(())
+                kl = (kl_w[sl] * velocity_kl(v, v_ref)).mean() if v_ref is not None else torch.zeros((), device=device)
                 loss = policy_loss + kl
                 (loss / per_step).backward()
                 stats["policy_loss"].append(policy_loss.item())
@@ -615,4 +618,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))

@@ -150,7 +150,7 @@ class Args:
     dpo_beta: float = 100.0
     """beta of the group preference sigmoid"""
     clip_dsm: bool = True
-    """PPO-style clip of the DSM ratio against the EMA "old" model"""
+    """PPO-style clip of the DSM ratio against ema_ref"""
     clip_range: float = 1e-2
     """eps of the DSM ratio clip"""
     use_ema_ref: bool = False
@@ -162,8 +162,8 @@ class Args:
     ema_ref_decay_ramp: float = 1e-3
     """increase of d per optimizer step"""
     ema_ref_decay_max: float = 0.3
-    """the largest ema_ref decay d"""
-    switch_ema_ref: int = 200
+    """the largest decay d of ema_ref"""
+    off_policy_after: int = 200
     """roll out with ema_ref after this many optimizer steps"""
     kl_beta: float = 0.5
     """KL weight to the base model"""
@@ -297,6 +297,13 @@ def draw_timesteps(num_indices: int, count: int, generator: torch.Generator) -> 
     return torch.randperm(num_indices, generator=generator)[:count].tolist()
 
 
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
+
+
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
     """Decay d of a snapshot's soft update after `step` optimizer steps (nanoGPT's `get_lr(it)` pattern): `start` for
     the first `flat_steps` steps, then a linear ramp from `start` by `ramp` per step, capped at `max_decay`."""
@@ -374,7 +381,7 @@ def main(args: Args):
     if dist.is_main:
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
-    # ALGO LOGIC: whole groups per micro-batch, the fast "old" EMA (ema_ref), the timestep-clip window
+    # ALGO LOGIC: ema_ref, the fast EMA: anchor of the DSM clip, and the rollout policy after off_policy_after steps
     ema_ref = [p.detach().clone() for p in params]
     snapshots = {"ema_ref": ema_ref}  # saved with every checkpoint
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
@@ -437,8 +444,8 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
-            # the rollout policy theta^-: the current weights, then ema_ref after switch_ema_ref steps (paper App. E)
-            with models.swapped_weights(params, ema_ref) if step > args.switch_ema_ref else contextlib.nullcontext():
+            # the rollout policy theta^-: the current weights, then ema_ref after off_policy_after steps (paper App. E)
+            with models.swapped_weights(params, ema_ref) if step > args.off_policy_after else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
@@ -498,7 +505,7 @@ def main(args: Args):
                         xt = (1 - s) * x0[sl] + s * eps[sl]
                         v_ref = v_ema_ref = None
                         with torch.no_grad(), common.autocast(device, args.mixed_precision):
-                            if args.kl_beta > 0 or not args.use_ema_ref:  # the frozen base, CFG kl_cfg
+                            if args.kl_beta > 0 or not args.use_ema_ref:
                                 with models.reference_model(transformer):
                                     v_ref = common.velocity(transformer, xt, s, mb_cond, args.kl_cfg)
                             if args.clip_dsm or args.use_ema_ref:  # the fast EMA, as of the last optimizer step
@@ -517,11 +524,7 @@ def main(args: Args):
                             stats["approx_kl"].append(0.5 * ratio.log().pow(2).mean().item())
                         dsm_ref = dsm_error(v_ema_ref if args.use_ema_ref else v_ref, v_target)
                         policy_loss, z = dgpo_loss(dsm, dsm_ref, adv[sl], args.group_size, args.dpo_beta)
-                        kl = (
-                            (v - v_ref).pow(2).flatten(1).mean(1).mean()
-                            if args.kl_beta > 0
-                            else torch.zeros((), device=device)
-                        )
+                        kl = velocity_kl(v, v_ref).mean() if args.kl_beta > 0 else torch.zeros((), device=device)
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
                         for name, value in (
@@ -608,4 +611,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))

@@ -164,7 +164,7 @@ class Args:
     leave_one_out: bool = False
     """RLOO baseline: the mean of the other K-1 rewards"""
     kl_beta: float = 0.0
-    """beta of the KL penalty to the base model"""
+    """KL weight to the base model"""
     kl_type: Literal["x", "v"] = "x"
     """"x": KL of the Gaussian steps; "v": ||v - v_ref||^2"""
     kl_form: Literal["exact", "official"] = "exact"
@@ -242,11 +242,11 @@ def aggregate_advantages(
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
 def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
-    """PPO's clipped surrogate on per-step likelihood ratios (r = p / p_old):
+    """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
     mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
 
-    `weight` [B] multiplies each sample's term inside the mean (zero_adv_filter). Returns (loss, ratio, approx_kl,
-    clipfrac); approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    `weight` [B] multiplies each sample's term inside the mean. Returns (loss, ratio, approx_kl, clipfrac);
+    approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -256,6 +256,13 @@ def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, wei
     approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
     clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
     return loss, ratio.detach(), approx_kl, clipfrac
+
+
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
 
 
 def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
@@ -429,7 +436,6 @@ def main(args: Args):
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
             sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
-            # initial noise keyed by the sample's group (shared_group_noise) or by the sample itself
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             noise = common.randn(
                 (local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys)
@@ -478,8 +484,8 @@ def main(args: Args):
         with timer("training"):
             stats = {"policy_loss": [], "kl_ref": [], "grad_norm": [], "approx_kl": [], "clipfrac": [], "ratio_mean": []}
             per_step = micro_per_step * len(sde_steps)
+            k = 0
             for inner in range(args.num_inner_epochs):
-                k = 0
                 for mb in range(num_micro):  # contiguous micro-batches (prompts arrive in random order), as on any rank count
                     sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     mb_cond = cond[sl]
@@ -536,7 +542,7 @@ def main(args: Args):
                                     mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form, args.dynamics
                                 )
                             else:
-                                kl = (v - v_ref).pow(2).flatten(1).mean(1)
+                                kl = velocity_kl(v, v_ref)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()
@@ -600,4 +606,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))

@@ -150,7 +150,7 @@ class Args:
     adaptive_weighting: bool = True
     """divide each x0 error by its detached mean |error| (sec. 3.3)"""
     off_policy: bool = True
-    """roll out with the EMA "old" policy, not the current weights"""
+    """roll out with the "old" policy, not the current weights"""
     old_decay_start: float = 0.0
     """decay d of the old policy at first"""
     old_decay_flat_steps: int = 0
@@ -236,7 +236,8 @@ def aggregate_advantages(
 # Conventions: sigma = 1 is noise, x_t = (1 - sigma) x0 + sigma eps, the velocity target is u = eps - x0 and the
 # x0 prediction of a velocity v is x0_hat = x_t - sigma v (so x0_hat - x0 = sigma (u - v)).
 def optimality_probability(adv: torch.Tensor, clip: float) -> torch.Tensor:
-    """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (Algorithm 1, line 5)."""
+    """r = 0.5 + 0.5 clip(A / c, -1, 1) in [0, 1], the probability that a sample is "positive" (DiffusionNFT
+    Algorithm 1, line 5)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)
 
 
@@ -282,6 +283,13 @@ def timestep_indices(
         return torch.stack([torch.randperm(num_indices, generator=g)[:count] for g in gens])
     t_gen = common.keyed_generator(seed, epoch, "timesteps", int(sample_idx[0]) // micro_batch)
     return torch.tensor(common.stratified_indices(num_indices, count, t_gen)).expand(len(sample_idx), count)
+
+
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
 
 
 def get_decay(step: int, start: float, flat_steps: int, ramp: float, max_decay: float) -> float:
@@ -362,8 +370,8 @@ def main(args: Args):
         print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the "old" policy, an EMA of the trained weights: the reference of v+/v-, and the rollout policy if off_policy
-    ema = [p.detach().clone() for p in params]
-    snapshots = {"ema": ema}  # saved with every checkpoint
+    old_snapshot = [p.detach().clone() for p in params]
+    snapshots = {"old": old_snapshot}  # saved with every checkpoint
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
     eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
     if args.timesteps_per_image and args.num_train_timesteps > eligible:
@@ -428,7 +436,7 @@ def main(args: Args):
             prompts = [prompts[j] for j in local_idx]
             cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
-            with models.swapped_weights(params, ema) if args.off_policy else contextlib.nullcontext():
+            with models.swapped_weights(params, old_snapshot) if args.off_policy else contextlib.nullcontext():
                 rollout = common.sample(
                     transformer,
                     pipe.scheduler,
@@ -481,9 +489,8 @@ def main(args: Args):
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)
                     s = sigmas[idx[:, j].to(sigmas.device)].view(-1, *([1] * (x0.dim() - 1)))
                     xt = (1 - s) * x0[sl] + s * eps
-                    # the old (EMA) and the base model's velocities on the same x_t, without gradient
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
-                        with models.swapped_weights(params, ema):
+                        with models.swapped_weights(params, old_snapshot):
                             v_old = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                         v_ref = None
                         if args.kl_beta > 0:
@@ -493,7 +500,7 @@ def main(args: Args):
                         v = common.velocity(transformer, xt, s.flatten(), mb_cond, args.guidance_scale)
                     loss_i, pos, negl = nft_loss(v, v_old, x0[sl], xt, s, r_opt[sl], args.nft_beta, args.adaptive_weighting)
                     policy_loss = loss_i.mean() * args.adv_clip  # x c, the official code's (and Flow-Factory's) scale
-                    kl = (v - v_ref).pow(2).flatten(1).mean(1).mean() if v_ref is not None else torch.zeros((), device=device)
+                    kl = velocity_kl(v, v_ref).mean() if v_ref is not None else torch.zeros((), device=device)
                     loss = policy_loss + args.kl_beta * kl
                     (loss / per_step).backward()
                     old_deviate = (v.detach() - v_old).pow(2).mean()
@@ -526,9 +533,9 @@ def main(args: Args):
                     step, args.old_decay_start, args.old_decay_flat_steps, args.old_decay_ramp, args.old_decay_max
                 ),
                 "zero_std_ratio": flat_groups.float().mean().item(),
-                "ema_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, ema)).sqrt().item(),
+                "old_distance": sum((p.detach() - e).pow(2).sum() for p, e in zip(params, old_snapshot)).sqrt().item(),
             }
-            update_ema(ema, params, diagnostics["old_decay"])
+            update_ema(old_snapshot, params, diagnostics["old_decay"])
 
         # ---- logging ----
         # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
@@ -569,4 +576,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))

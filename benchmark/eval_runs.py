@@ -87,8 +87,8 @@ def main():
         cells = []
         for k in METRICS:
             v = np.array([r[k] for r in results])
-            se = v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else float("nan")
-            cells.append(f"{v.mean():.3f} ({v.mean() - base[k]:+.3f} ± {se:.3f})")
+            spread = f" ± {v.std(ddof=1) / np.sqrt(len(v)):.3f}" if len(v) > 1 else ""  # one run has no standard error
+            cells.append(f"{v.mean():.3f} ({v.mean() - base[k]:+.3f}{spread})")
         print(f"| {algo} | {len(results)} | " + " | ".join(cells) + " |")
 
 

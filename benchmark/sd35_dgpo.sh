@@ -34,7 +34,7 @@ torchrun --nproc-per-node 4 algos/dgpo.py \
   --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --weight-decay 1e-4 --max-grad-norm 1.0 \
   --num-prompts 24 --group-size 24 --micro-batch 24 --grad-steps-per-epoch 1 \
   --num-train-timesteps 4 --timestep-range 0.35 --adv-clip 5 --advantage-std global \
-  --dpo-beta 10 --clip-dsm --clip-range 5e-2 --switch-ema-ref 200 --ema-ref-decay-max 0.3 --ema-ref-decay-ramp 1e-3 \
+  --dpo-beta 10 --clip-dsm --clip-range 5e-2 --off-policy-after 200 --ema-ref-decay-max 0.3 --ema-ref-decay-ramp 1e-3 \
   --kl-beta 1e-3 --kl-cfg 1.0 \
   --eval-num-steps 14 --eval-guidance-scale 4.5 --eval-solver dpm \
   --eval-ema-decay 0.9 --eval-ema-interval 8 --eval-ema-repeats 4 \

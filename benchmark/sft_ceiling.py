@@ -6,11 +6,11 @@
 A diagnostic for the convergence protocol (benchmark/results/convergence/README.md), not an algorithm of the project:
 rejection-sampling fine-tuning (RAFT, arXiv 2304.06767, one round). The base model samples every training prompt
 `--samples-per-prompt` times; the samples that are exact (the asked objects and nothing else) are kept; a LoRA of the
-scripts' default shape (or every weight, `--full-finetune`) is trained on them with the plain flow-matching loss ||v(x_sigma) - (eps - x0)||^2 (sigma
-uniform over the 10-step schedule); then held-out and training prompts are scored like `convergence.py base`, ODE 10
-steps at CFG 1. If this cannot raise exact, the RL algorithms' plateau is the model's or the LoRA's limit; if it can,
-the room is reachable and the algorithms' signal is what is missing. Appends one row to
-benchmark/results/convergence/sft_ceiling.jsonl.
+scripts' default shape (or every weight, `--full-finetune`) is trained on them with the plain flow-matching loss
+||v(x_sigma) - (eps - x0)||^2 (sigma uniform over the 10-step schedule); then held-out and training prompts are
+scored like `convergence.py base`, ODE 10 steps at CFG 1. If this cannot raise exact, the RL algorithms' plateau is
+the model's or the LoRA's limit; if it can, the room is reachable and the algorithms' signal is what is missing.
+Appends one row to benchmark/results/convergence/sft_ceiling.jsonl.
 """
 
 import argparse

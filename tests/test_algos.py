@@ -25,7 +25,7 @@ FLAGS = {
     "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --gradient-checkpointing --offload-text-encoders",
     # + the papers' eval protocol
     "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",
-    "dgpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --switch-ema-ref 1 --ema-ref-decay-ramp 0.1",
+    "dgpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --off-policy-after 1 --ema-ref-decay-ramp 0.1",
     "nft": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01 --old-decay-ramp 0.3",
 }
 EPOCHS = 3  # of the reference run

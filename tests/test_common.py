@@ -621,20 +621,24 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
 
 def test_old_checkpoint_args_are_read_under_todays_names():
     """Checkpoints written before the decay schedules became `<snapshot>_decay_*` fields resume with their settings."""
-    nft = run.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3})
+    nft = run.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3}, "nft")
     assert nft == {"old_decay_flat_steps": 2, "old_decay_ramp": 0.3, "old_decay_max": 0.4, "seed": 3}
-    assert run.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}) == {
+    assert run.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}, "awm") == {
         "ema_decay_max": 0.2,
         "ema_decay_ramp": 0.01,
     }
-    dgpo = run.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1})
-    assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1}
-    crd = run.upgrade_saved_args({"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"})
+    dgpo = run.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1, "switch_ema_ref": 5}, "dgpo")
+    assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1, "off_policy_after": 5}
+    assert run.upgrade_saved_args({"adaptive_logp": False}, "crd") == {"adaptive_weighting": False}
+    assert run.upgrade_saved_args({"decay_ramp": 0.3}, "crd") == {"decay_ramp": 0.3}  # nft's former name only
+    crd = run.upgrade_saved_args(
+        {"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"}, "crd"
+    )
     assert [crd[f"old_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.25, 0, 0.005, 0.999]
     assert [crd[f"sampling_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.0, 75, 0.0075, 0.999]
     assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
     with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
-        run.upgrade_saved_args({"old_model_decay": "medium"})
+        run.upgrade_saved_args({"old_model_decay": "medium"}, "crd")
 
 
 def test_cond_slices_every_field_and_carries_the_negative(pipe):

@@ -32,8 +32,8 @@ def test_update_ema_copy_frozen_and_mix():
         assert s[0].tolist() == pytest.approx(expected)
 
 
-def test_advantage_to_unit():
-    a = crd.advantage_to_unit(torch.tensor([-10.0, -5.0, 0.0, 2.5, 5.0, 9.0]), 5.0)
+def test_optimality_probability():
+    a = crd.optimality_probability(torch.tensor([-10.0, -5.0, 0.0, 2.5, 5.0, 9.0]), 5.0)
     assert a.tolist() == pytest.approx([0.0, 0.0, 0.5, 0.75, 1.0, 1.0])
 
 
@@ -115,19 +115,20 @@ def test_crd_loss_bce():
     assert loss.item() == pytest.approx(expected)
 
 
-def test_kl_to_base_weights_each_sample():
+def test_velocity_kl_is_per_sample_and_weights_each_sample():
     g = torch.Generator().manual_seed(0)
     v, v_ref = torch.randn(4, 3, 2, 2, generator=g), torch.randn(4, 3, 2, 2, generator=g)
     w = torch.tensor([0.0, 0.025, 0.05, 0.1])
     per = np.mean((v.numpy() - v_ref.numpy()) ** 2, axis=(1, 2, 3))
-    assert crd.kl_to_base(v, v_ref, w).item() == pytest.approx(float(np.mean(w.numpy() * per)), rel=1e-6)
+    assert crd.velocity_kl(v, v_ref).tolist() == pytest.approx(per.tolist(), rel=1e-6)
+    assert (w * crd.velocity_kl(v, v_ref)).mean().item() == pytest.approx(float(np.mean(w.numpy() * per)), rel=1e-6)
 
 
 def group_rewards(level: float, groups: int = 8, k: int = 8):
     """Rewards of `groups` prompts x K images around a mean `level`, and their [0, 1]-mapped group advantages."""
     g = torch.Generator().manual_seed(1)
     r = (level + 0.1 * torch.randn(groups * k, generator=g)).clamp(0, 1)
-    return r, crd.advantage_to_unit(crd.group_advantages(r, k, "global", clip=5.0), 5.0)
+    return r, crd.optimality_probability(crd.group_advantages(r, k, "global", clip=5.0), 5.0)
 
 
 @pytest.mark.parametrize("mode", ["batch", "sample"])

@@ -134,7 +134,7 @@ AWM_BASE = {
 DGPO_BASE = {
     "num_train_timesteps": (4, DGPO + "config/dgpo.py:28"),
     "timestep_range": (0.35, DGPO + "config/dgpo.py:29 (trunc_steps 6: indices 0..6, sigma >= 0.667)"),
-    "switch_ema_ref": (200, DGPO + "config/dgpo.py:31"),
+    "off_policy_after": (200, DGPO + "config/dgpo.py:31"),
     "clip_dsm": (True, DGPO + "config/dgpo.py:39"),
     "dynamics": ("DPM-Solver", DGPO + "config/dgpo.py:24 (use_dpm)"),
     "sigma_schedule": ("pipeline", DGPO_SCHEDULE),
@@ -166,7 +166,7 @@ CRD = {
     "crd_beta": (1.0, FF + ":47"),
     "loss_type": ("mse", FF + ":48"),
     "use_old_for_loss": (True, FF + ":49"),
-    "adaptive_logp": (True, FF + ":50"),
+    "adaptive_weighting": (True, FF + ":50"),
     "weight_temp": (-1.0, FF + ":51"),
     "centering": ("batch", FF + ":81 (centred over each per-device batch of 8)"),
     "old_decay_start": (0.25, FF + ":55 (old_model_decay 0-0.25-0.005-0.999)"),

@@ -85,14 +85,18 @@ def top_level_sources(path: Path) -> dict:
     return out
 
 
-# the math the algorithms share: the group-relative advantage (all five), the snapshot/EMA decay schedule and update
-# (the four with a snapshot); each file holds its own copy, so a reader sees it, and the copies must not drift
+# the math the algorithms share: the group-relative advantage and the velocity KL (all five), the snapshot/EMA decay
+# schedule and update (the four with a snapshot), PPO's clipped surrogate (grpo, awm), DiffusionNFT's optimality
+# probability (nft, crd); each file holds its own copy, so a reader sees it, and the copies must not drift
 SHARED_MATH = {
     "STD_EPS": {"awm", "crd", "dgpo", "grpo", "nft"},
     "group_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
     "aggregate_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
     "get_decay": {"awm", "crd", "dgpo", "nft"},
     "update_ema": {"awm", "crd", "dgpo", "nft"},
+    "velocity_kl": {"awm", "crd", "dgpo", "grpo", "nft"},
+    "ppo_loss": {"awm", "grpo"},
+    "optimality_probability": {"crd", "nft"},
 }
 
 
