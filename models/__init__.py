@@ -331,7 +331,10 @@ def reference_model(transformer):
         return
     slots = [(m, name, p) for m in transformer.modules() for name, p in m._parameters.items() if p in base]
     for m, name, p in slots:
-        m._parameters[name] = base[p].to(p.dtype)  # a no-op unless --base-dtype loaded the base in bf16/fp16
+        # a bf16/fp16 base (--base-dtype) as loaded under autocast, which casts every weight anyway: the LoRA path's
+        # reference, and no fp32 copy of the weights; without autocast upcast (exact) to the inputs' fp32
+        cast = torch.is_autocast_enabled(p.device.type)
+        m._parameters[name] = base[p] if cast else base[p].to(p.dtype)
     try:
         yield transformer
     finally:

@@ -102,7 +102,8 @@ def test_reference_model_is_the_untouched_base_after_training():
 
 def test_a_bf16_base_trains_fp32_master_weights_and_keeps_its_bf16_reference():
     """--base-dtype bfloat16: the trained weights become fp32 (master weights), the frozen base stays the bf16 weights
-    as loaded, so the reference is exactly the loaded bf16 base computed in fp32."""
+    as loaded, so the reference is exactly the loaded bf16 base computed in fp32, and under --mixed-precision's
+    autocast exactly the LoRA scripts' reference (the bf16 model as loaded, under autocast)."""
     pipe = tiny(torch.bfloat16)
     params = models.trainable_params(pipe.transformer, crd.Args(full_finetune=True))
     assert all(p.dtype == torch.float32 for p in params) and common.model_dtype(pipe.transformer) == torch.float32
@@ -121,6 +122,11 @@ def test_a_bf16_base_trains_fp32_master_weights_and_keeps_its_bf16_reference():
             pooled_projections=cond.pooled.float(),
             return_dict=False,
         )[0]
+    assert torch.equal(ref, expected)
+    with torch.no_grad(), common.autocast(torch.device("cpu"), True):
+        with models.reference_model(pipe.transformer):
+            ref = common.velocity(pipe.transformer, x, 0.5, cond)
+        expected = common.velocity(tiny(torch.bfloat16).transformer, x, 0.5, cond)
     assert torch.equal(ref, expected)
 
 
