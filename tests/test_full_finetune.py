@@ -205,3 +205,31 @@ def test_exported_transformer_in_the_stock_pipeline_equals_our_sampler(full_run,
     monkeypatch.chdir(tmp_path)
     exec(snippet.replace("<this folder>", str(run_dir / "transformer")), {})
     assert (tmp_path / "sample.png").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(full_run, prompt_dir, tmp_path):
+    """CRD with --full-finetune on 2 gloo ranks ends bit-identical to one process (tests/test_algos.py's LoRA test, here
+    with every weight's gradient all-reduced)."""
+    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run_script([*argv, *script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "2")])
+    (two_dir,) = tmp_path.iterdir()
+    assert_same_state(run.load_checkpoint(full_run("crd")), run.load_checkpoint(two_dir), "crd")
+
+
+def test_export_of_other_weights_leaves_the_live_ones(tmp_path):
+    """`weights` (the eval EMA under --eval-ema-decay) is what the transformer folder holds, in `trainable_params`'
+    order; the live weights are untouched, and the card names what was exported."""
+    pipe = tiny()
+    args = crd.Args(full_finetune=True)
+    params = models.trainable_params(pipe.transformer, args)
+    live = [p.detach().clone() for p in params]
+    other = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    out = run.export_lora(
+        tmp_path / "transformer", pipe, pipe.transformer, args, crd.__doc__, 3, weights=other, weights_name="X"
+    )
+    saved = load_file(str(out / "diffusion_pytorch_model.safetensors"))
+    names = [n for n, _ in pipe.transformer.named_parameters()]
+    assert all(torch.equal(saved[n], w) for n, w in zip(names, other))
+    assert all(torch.equal(p, w) for p, w in zip(params, live))
+    assert "| weights | X, after epoch 3 |" in (out / "README.md").read_text()
