@@ -329,6 +329,13 @@ def reference_model(transformer):
         finally:
             transformer.enable_adapters()
         return
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in transformer.modules()):
+        # FSDP2 puts its own gathered weights into the parameter slots at each forward: the swap would be ignored
+        raise UserError("--full-finetune's reference model does not support FSDP sharding yet")
+    if any(p not in base for p in transformer.parameters()):  # parameters replaced after `trainable_params`
+        raise RuntimeError("the frozen base no longer matches the transformer's parameters; call trainable_params last")
     slots = [(m, name, p) for m in transformer.modules() for name, p in m._parameters.items() if p in base]
     for m, name, p in slots:
         # a bf16/fp16 base (--base-dtype) as loaded under autocast, which casts every weight anyway: the LoRA path's

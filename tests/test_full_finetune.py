@@ -233,3 +233,15 @@ def test_export_of_other_weights_leaves_the_live_ones(tmp_path):
     assert all(torch.equal(saved[n], w) for n, w in zip(names, other))
     assert all(torch.equal(p, w) for p, w in zip(params, live))
     assert "| weights | X, after epoch 3 |" in (out / "README.md").read_text()
+
+
+def test_reference_model_refuses_parameters_replaced_after_trainable_params():
+    """A wrapper that replaces the parameter objects after `trainable_params` (FSDP's fully_shard does) would leave the
+    frozen base keyed by tensors the model no longer uses, and the reference silently the trained model: it raises."""
+    pipe = tiny()
+    models.trainable_params(pipe.transformer, crd.Args(full_finetune=True))
+    layer = pipe.transformer.proj_out
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="frozen base no longer matches"):
+        with models.reference_model(pipe.transformer):
+            pass
