@@ -166,6 +166,9 @@ REMOTE_TARGETS = ("track", "wandb_project_name", "wandb_entity", "push_to_hub")
 NOT_RESTORED = ("device", "output_dir", "resume", "run_name", *REMOTE_TARGETS)
 
 
+LORA_ARGS = ("lora_rank", "lora_alpha", "lora_targets")  # what --full-finetune (every transformer weight) has no use for
+
+
 CHECKPOINT_KEYS = (  # what `save_state` writes (`save_checkpoint` adds format, algo; tensor_layout is read away)
     "params",
     "optimizer",
@@ -252,6 +255,12 @@ def check_args(args, fresh: bool = True):
         raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
+    if fields.get("full_finetune"):
+        lora_flags = sorted(given_flags(args) & set(LORA_ARGS))
+        if lora_flags:
+            raise UserError(
+                f"{_flag(lora_flags[0])}: a LoRA setting, but --full-finetune trains every transformer weight (no LoRA)"
+            )
     check_device(args.device)
     model = Path(args.model).expanduser()
     if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
@@ -506,7 +515,7 @@ def start_run(args, script_file: str) -> tuple:
         raise UserError(
             f"{ckpt_dir} was written by {ckpt.get('algo')}.py; resume it with algos/{ckpt.get('algo')}.py, not {algo}.py"
         )
-    check_checkpoint_fields(ckpt, ckpt_dir)
+    check_checkpoint_fields(ckpt, ckpt_dir, args)
     for old, new in RENAMED_SNAPSHOTS.get(algo, {}).items():
         if isinstance(ckpt.get("snapshots"), dict) and old in ckpt["snapshots"] and new not in ckpt["snapshots"]:
             ckpt["snapshots"][new] = ckpt["snapshots"].pop(old)
@@ -680,9 +689,17 @@ def check_integrations(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the trained model out: a diffusers LoRA folder with a model card
+# the trained model out: a diffusers LoRA folder, or a transformer folder (--full-finetune), with a model card
 # ----------------------------------------------------------------------------------------------------------------
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
+
+
+EXPORT_NAMES = ("lora", "transformer")  # the export folder in the run folder: LoRA, --full-finetune
+
+
+def export_dir(run_dir: Path, args) -> Path:
+    """Where a run's export goes: runs/<run>/lora, or with --full-finetune runs/<run>/transformer."""
+    return Path(run_dir) / EXPORT_NAMES[bool(getattr(args, "full_finetune", False))]
 
 
 CARD_ARGS = (
@@ -720,10 +737,12 @@ def export_lora(
     """Write `out_dir` (runs/<run>/lora) as a diffusers LoRA folder: `pytorch_lora_weights.safetensors`, saved by the
     pipeline class's own `save_lora_weights`, a model card README.md and samples.png. Atomic: built in a temp folder,
     then swapped in, so a kill leaves the previous export (at worst under .lora.old) and never a half-written one.
+    With --full-finetune (`args.full_finetune`), `out_dir` (runs/<run>/transformer) is instead the transformer's own
+    `save_pretrained` folder (config.json + fp32 safetensors) that `<Family>Transformer...from_pretrained` loads.
 
     The adapter metadata (peft's LoraConfig: r, lora_alpha, targets) goes into the safetensors header; without it
     diffusers assumes lora_alpha = r and would apply our alpha = 2r LoRA at half strength.
-    `weights`: other values for the trainable LoRA parameters (an EMA), in `add_lora`'s order, exported instead of the
+    `weights`: other values for the trainable parameters (an EMA), in `trainable_params`' order, exported instead of the
     live ones, which are left untouched; `weights_name` says which in the card. `logger`: its newest eval/* scalars
     go into the card's table and its newest "eval/images" grid (captioned) becomes samples.png, unless `samples` (a [3, H, W]
     image in [0, 1]) is given. Call it on one rank only."""
@@ -734,15 +753,23 @@ def export_lora(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        full = getattr(args, "full_finetune", False)
+        params = list(transformer.parameters()) if full else [p for n, p in transformer.named_parameters() if "lora_" in n]
         with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
-            state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-        type(pipe.pipe).save_lora_weights(
-            tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
-        )
+            if full:
+                transformer.save_pretrained(tmp)
+            else:
+                state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+        if not full:
+            type(pipe.pipe).save_lora_weights(
+                tmp,
+                transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+            )
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
+        for f in tmp.glob("*.safetensors"):  # safetensors writes 0600; the export is meant to be shared, like the run
+            os.chmod(f, 0o666 & ~umask)
         if samples is None and logger is not None and "eval/images" in logger.last_images:
             samples = logger.last_images["eval/images"][0]
         if samples is not None:
@@ -757,7 +784,7 @@ def export_lora(
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, OSError) and not disk_full(e, out_dir.parent):
             raise  # a bug, to see whole
-        raise UserError(f"could not write the LoRA export {out_dir} ({write_error_reason(e, out_dir.parent)})") from None
+        raise UserError(f"could not write the export {out_dir} ({write_error_reason(e, out_dir.parent)})") from None
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
         os.replace(out_dir, old)
@@ -785,20 +812,36 @@ def card_call(pipe, settings: dict) -> tuple:
 
 
 def lora_snippet(
-    pipe_class: str, model: str, lora_dir: str, setup: list, call: dict, output: str, gpu: bool = False, no_t5: bool = False
+    pipe_class: str,
+    model: str,
+    lora_dir: str,
+    setup: list,
+    call: dict,
+    output: str,
+    gpu: bool = False,
+    no_t5: bool = False,
+    transformer_class: Optional[str] = None,
 ) -> str:
-    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`)."""
+    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`).
+    With `transformer_class` (--full-finetune), `lora_dir` is a transformer folder loaded in place of the base's."""
+    dtype = ", dtype=torch.bfloat16" if gpu else ""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
-    load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
+    load += ", transformer=transformer" if transformer_class else ""
+    load += f'{dtype}).to("cuda")' if gpu else ")"
     code = "\n".join([*setup, "", *call.values()])
     imports = ["import numpy as np"] * ("np." in code) + ["import torch"] * (gpu or "torch." in code)
-    imports += [f"from diffusers import {pipe_class}"] + [x for x in setup if x.startswith(("from ", "import "))]
+    classes = ", ".join(sorted({pipe_class, transformer_class} - {None}))
+    imports += [f"from diffusers import {classes}"] + [x for x in setup if x.startswith(("from ", "import "))]
     setup = "\n".join(x for x in setup if not x.startswith(("from ", "import "))).strip("\n").splitlines()
     if output == "frames":
         imports.append("from diffusers.utils import export_to_video")
     kwargs = ", ".join(f"{k}={v}" for k, v in call.items())
     save = 'export_to_video(videos[0], "sample.mp4", fps=16)' if output == "frames" else 'images[0].save("sample.png")'
-    lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+    if transformer_class:
+        lines = [*imports, f"transformer = {transformer_class}.from_pretrained({json.dumps(lora_dir)}{dtype})"]
+        lines += [f"pipe = {load}", *setup]
+    else:
+        lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
     lines += [
         'prompt = ["a red circle"]',
         f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
@@ -807,7 +850,8 @@ def lora_snippet(
 
 
 def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name: str, has_samples: bool) -> str:
-    """The model card of an exported LoRA: what it is, how well it scores, how it was made, how to load it."""
+    """The model card of an export (a LoRA, or a transformer with --full-finetune): what it is, how well it scores,
+    how it was made, how to load it."""
     config = asdict(args) if is_dataclass(args) else dict(vars(args))
     doc = (algo_doc or "").strip()
     algo = doc.splitlines()[0] if doc else config.get("exp_name", "?")
@@ -822,18 +866,35 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     settings["sigma_schedule"] = config.get("sigma_schedule") or "pipeline"
     # as long as in training (PromptEncoder): e.g. SD3 without T5 pads with 1 zero token, not the pipeline's 256
     settings["max_sequence_length"] = pipe.family.max_sequence_length(pipe.pipe, config.get("max_sequence_length"))
-    front = ["---", "library_name: diffusers", "tags: [lora, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
+    full = bool(config.get("full_finetune"))
+    tag = "full-finetune" if full else "lora"
+    front = ["---", "library_name: diffusers", f"tags: [{tag}, text-to-image, cleanflow, " + str(config.get("exp_name")) + "]"]
     hub = not Path(model).expanduser().exists() and model.count("/") == 1
     if hub:
         front.append(f"base_model: {model}")
     targets = ", ".join(config.get("lora_targets") or pipe.family.lora_targets)
-    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
+    transformer_class = pipe.family.transformer if full else None
+    snippet = lora_snippet(
+        pipe_class,
+        model,
+        "<this folder>",
+        *card_call(pipe, settings),
+        gpu=hub,
+        no_t5=no_t5,
+        transformer_class=transformer_class,
+    )
+    if full:
+        what = f"A fine-tuned transformer ({transformer_class})"
+        trained = f"| trained | every transformer weight ({sum(p.numel() for p in pipe.transformer.parameters()):,}) |"
+    else:
+        what = "A LoRA"
+        trained = f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |"
     lines = front + [
         "---",
         "",
         f"# {config.get('run_name') or 'cleanflow LoRA'}",
         "",
-        f"A LoRA for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.",
+        f"{what} for `{model}` ({pipe_class}) trained with reinforcement learning by cleanflow.",
         "",
         "| | |",
         "|-|-|",
@@ -841,7 +902,7 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
         f"| algorithm | {algo} |",
         f"| reward | `{config.get('reward')}` |",
         f"| weights | {weights_name}, after epoch {epoch} |",
-        f"| LoRA | rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, on {targets} |",
+        trained,
         "",
         "## Use it",
         "",
@@ -865,7 +926,7 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     if has_samples:
         lines += ["", "![samples](samples.png)"]
     lines += ["", "## Training", "", "| argument | value |", "|-|-|"]
-    lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config]
+    lines += [f"| {k} | {config[k]} |" for k in CARD_ARGS if k in config and not (full and k in LORA_ARGS)]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
     lines += [
@@ -1157,10 +1218,11 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path):
+def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path, args=None):
     """A checkpoint's plain fields before anything of the run is touched: known keys only, and counters that are
     whole numbers in range, the epoch the one its folder is named after (a crafted epoch -5 would retrain from -5 and
-    overwrite epochs 1-3)."""
+    overwrite epochs 1-3). With `args` (the command line's): a LoRA run is not resumed with --full-finetune, nor a
+    full fine-tune without it."""
     unknown = sorted(set(ckpt) - set(CHECKPOINT_KEYS))
     if unknown:
         raise UserError(
@@ -1176,6 +1238,12 @@ def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path):
         raise UserError(f"checkpoint {ckpt_dir}: it says epoch {ckpt['epoch']}, its folder name another")
     if not isinstance(ckpt.get("args"), dict):
         raise UserError(f"checkpoint {ckpt_dir}: its settings (args) are missing")
+    full = bool(ckpt["args"].get("full_finetune", False))  # checkpoints from before the flag are LoRA runs
+    if args is not None and "full_finetune" in given_flags(args) and bool(args.full_finetune) != full:
+        raise UserError(
+            f"checkpoint {ckpt_dir} is of a {'full fine-tuning' if full else 'LoRA'} run; resume it "
+            f"{'with' if full else 'without'} --full-finetune"
+        )
 
 
 def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator):
@@ -1190,7 +1258,7 @@ def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_e
     params = ckpt.get("params")
     if not isinstance(params, dict) or set(params) != set(named):
         extra = sorted(set(params or {}) ^ set(named))[:2] if isinstance(params, dict) else []
-        raise UserError(f"its trainable weights are not this model's LoRA (e.g. {', '.join(extra) or 'none saved'})")
+        raise UserError(f"its trainable weights are not this run's (e.g. {', '.join(extra) or 'none saved'})")
     for name, p in named.items():
         fits(params[name], p, name)
     saved_opt, live_params = ckpt.get("optimizer"), [p for g in optimizer.param_groups for p in g["params"]]
@@ -1222,12 +1290,14 @@ def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_e
 def clean_stale_temps(run_dir: Path):
     """What a run killed while saving leaves in its folder: checkpoint temps, and the LoRA export's temp (an
     interrupted `export_lora`); an export moved aside but not replaced is put back."""
-    doomed = [*(run_dir / "checkpoints").glob(".tmp-*"), *run_dir.glob(".lora.tmp*")]
-    if (run_dir / ".lora.old").is_dir():
-        if (run_dir / "lora").exists():
-            doomed.append(run_dir / ".lora.old")
-        else:
-            os.rename(run_dir / ".lora.old", run_dir / "lora")
+    doomed = [*(run_dir / "checkpoints").glob(".tmp-*")]
+    for name in EXPORT_NAMES:
+        doomed += run_dir.glob(f".{name}.tmp*")
+        if (run_dir / f".{name}.old").is_dir():
+            if (run_dir / name).exists():
+                doomed.append(run_dir / f".{name}.old")
+            else:
+                os.rename(run_dir / f".{name}.old", run_dir / name)
     for tmp in doomed:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
 
@@ -1308,7 +1378,7 @@ def save_state(
     """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
     the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
     and the sampler settings -- to checkpoints/epoch_<E>/ with `checkpoints/last` pointing at it (keeping the newest
-    `--keep-checkpoints`), then the LoRA export that users load (runs/<run>/lora)."""
+    `--keep-checkpoints`), then the export that users load (`export_dir`: runs/<run>/lora, or transformer)."""
     if not logger.enabled:
         return
     check_run_folder(run_dir)
@@ -1335,7 +1405,7 @@ def save_state(
         },
         keep=args.keep_checkpoints,
     )
-    export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+    export_lora(export_dir(run_dir, args), pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
 
 
 def restore_state(

@@ -64,7 +64,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the wandb entity (team)"""
     push_to_hub: Optional[str] = None
-    """hub repo (user/name) to upload the LoRA to"""
+    """hub repo (user/name) to upload the export to"""
     mixed_precision: bool = False
     """bf16 autocast of the transformer"""
     gradient_checkpointing: bool = False
@@ -109,6 +109,8 @@ class Args:
     """rollout dynamics"""
     eta: float = 0.7
     """noise level of the SDE dynamics"""
+    full_finetune: bool = False
+    """train every transformer weight (fp32), no LoRA"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
@@ -354,7 +356,7 @@ def main(args: Args):
     )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
-    params = models.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    params = models.trainable_params(transformer, args)
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     distributed.check_same_on_all_ranks(params)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -367,7 +369,7 @@ def main(args: Args):
         encoder.precompute(train_prompts + test_prompts)
         encoder.offload()
     if dist.is_main:
-        print(f"trainable (LoRA) params={sum(p.numel() for p in params):,}")
+        print(f"trainable ({'full' if args.full_finetune else 'LoRA'}) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the "old" policy, an EMA of the trained weights: the reference of v+/v-, and the rollout policy if off_policy
     old_snapshot = [p.detach().clone() for p in params]
@@ -570,7 +572,7 @@ def main(args: Args):
         done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
         print(f"{done}  peak RSS {run.peak_rss_mb():.0f} MB  run: {run_dir}")
         if args.push_to_hub:
-            run.push_to_hub(run_dir / "lora", args.push_to_hub)
+            run.push_to_hub(run.export_dir(run_dir, args), args.push_to_hub)
     logger.close()
     distributed.cleanup_distributed()
 

@@ -1,5 +1,6 @@
-"""The model families, and what loads one: `load_pipeline` -> `Model`, LoRA (`add_lora`), the reference model
-(adapter off), compilation, gradient checkpointing and the eval EMA.
+"""The model families, and what loads one: `load_pipeline` -> `Model`, what trains (`trainable_params`: a LoRA, or
+every transformer weight), the reference model (adapter off, or the frozen base weights swapped in), compilation,
+gradient checkpointing and the eval EMA.
 
 One file per family holds only what differs from SD3 (the transformer call, prompt encoding, guidance mode, schedule
 shift, latent layout, latent un-normalisation, default LoRA targets) in a `common.Family`; importing this package
@@ -10,6 +11,7 @@ imports models/, so the arrows point one way: algos -> run -> models -> common.
 import contextlib
 import json
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -222,6 +224,27 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequ
     return params
 
 
+# transformer -> {its parameter: the base value of that parameter}, with --full-finetune (see `trainable_params`)
+_FROZEN_BASE = weakref.WeakKeyDictionary()
+
+
+def trainable_params(transformer, args) -> list:
+    """What the scripts train: a peft LoRA (`add_lora` with --lora-rank/--lora-alpha/--lora-targets), or with
+    --full-finetune every transformer weight.
+
+    Full fine-tuning keeps the weights as they were loaded (--base-dtype, exact) as the frozen base model that
+    `reference_model` swaps in, then makes the transformer's weights fp32 master weights (bf16 rounding would swallow
+    updates of lr x |grad| below 2^-8 of a weight; the forwards still run in bf16 under --mixed-precision). Returns the
+    trainable parameters."""
+    if not getattr(args, "full_finetune", False):
+        return add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
+    base = [p.detach().clone() for p in transformer.parameters()]
+    transformer.float().requires_grad_(True)
+    _FROZEN_BASE[transformer] = dict(zip(transformer.parameters(), base))
+    common._DTYPES.pop(transformer, None)  # the compute dtype the sampler casts inputs to is now fp32
+    return list(transformer.parameters())
+
+
 def enable_gradient_checkpointing(transformer):
     """Recompute each transformer block's activations in the backward pass instead of keeping them: activation
     memory of one block instead of all (FLUX.1 has 57), for about one more forward per training step.
@@ -296,12 +319,38 @@ def compile_transformer(transformer) -> int:
 
 @contextlib.contextmanager
 def reference_model(transformer):
-    """The frozen base model: the same transformer with its LoRA adapter disabled."""
-    transformer.disable_adapters()
+    """The frozen base model: the same transformer with its LoRA adapter disabled, or with --full-finetune with the
+    base weights in place of the trained ones.
+
+    The base weights are put into the modules' parameter slots, not copied into the trained tensors: GRPO calls the
+    reference after its policy forward and before the backward, whose graph holds the trained tensors (an in-place copy
+    would fail the backward's version check), and no second copy of the weights is made."""
+    base = _FROZEN_BASE.get(transformer)
+    if base is None:
+        transformer.disable_adapters()
+        try:
+            yield transformer
+        finally:
+            transformer.enable_adapters()
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in transformer.modules()):
+        # FSDP2 puts its own gathered weights into the parameter slots at each forward: the swap would be ignored
+        raise UserError("--full-finetune's reference model does not support FSDP sharding yet")
+    if any(p not in base for p in transformer.parameters()):  # parameters replaced after `trainable_params`
+        raise RuntimeError("the frozen base no longer matches the transformer's parameters; call trainable_params last")
+    slots = [(m, name, p) for m in transformer.modules() for name, p in m._parameters.items() if p in base]
+    for m, name, p in slots:
+        # a bf16/fp16 base (--base-dtype) as loaded under autocast, which casts every weight anyway: the LoRA path's
+        # reference, and no fp32 copy of the weights; without autocast upcast (exact) to the inputs' fp32
+        cast = torch.is_autocast_enabled(p.device.type)
+        m._parameters[name] = base[p] if cast else base[p].to(p.dtype)
     try:
         yield transformer
     finally:
-        transformer.enable_adapters()
+        for m, name, p in slots:
+            m._parameters[name] = p
 
 
 @contextlib.contextmanager

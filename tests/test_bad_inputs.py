@@ -76,6 +76,7 @@ SHARED = {
     "--model {tmp}/flux-over-sd3": "names FluxPipeline, whose transformer is FluxTransformer2DModel, but the folder holds SD3",
     # root passes os.access on any folder; only trying to write there shows /proc takes no run folder
     "--output-dir /proc/cleanflow-runs": "cannot create a run folder there (/proc is not a writable folder)",
+    "--full-finetune --lora-rank 8": "--lora-rank: a LoRA setting, but --full-finetune trains every transformer weight",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
 NEEDS_MODEL = {"--lora-targets nosuchmodule"}
@@ -95,6 +96,8 @@ SPECIFIC = [
     ("nft", "--micro-batch 3", "micro_batch (3) must divide"),
     ("nft", "--lora-targets nosuchmodule", "--lora-targets nosuchmodule: no LoRA could be attached"),
     ("nft", "--lora-alpha 0", "--lora-alpha 0.0: must be > 0"),
+    ("crd", "--full-finetune --lora-targets attn.to_q", "--lora-targets: a LoRA setting, but --full-finetune"),
+    ("grpo", "--lora-alpha 32 --full-finetune", "--lora-alpha: a LoRA setting"),  # given, even at its default
     ("nft", "--train-prompts {tmp}/empty.txt", "has no prompts"),
     ("nft", "--train-prompts {tmp}/bad.jsonl", "bad.jsonl:1: expected a JSON object"),
     ("nft", "--train-prompts {tmp}/missing.txt", "not found"),
