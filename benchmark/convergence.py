@@ -86,6 +86,9 @@ SETTINGS = {
     "dgpo_ff": ("dgpo", FF),
     "grpo_cfg4.5_kl0.04_lr2e-3": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "2e-3"]),
     "grpo_cfg4.5_kl0.04_ff": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", *FF]),
+    # every transformer weight instead of a LoRA: is the LoRA's capacity the plateau?
+    "crd_full_lr1e-4": ("crd", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),
 }
 
 
@@ -186,8 +189,9 @@ def images_trained(run: Path) -> int:
 
 
 def cmd_final(args, sets):
-    """Each run's exported LoRA (runs/<run>/lora, what a user loads) in a fresh base pipeline, at the run's own eval
-    guidance scale, on both prompt sets, paired with the base at CFG 1 and at CFG 4.5 on the same noises."""
+    """Each run's export (runs/<run>/lora, or runs/<run>/transformer after --full-finetune: what a user loads) in a
+    fresh base pipeline, at the run's own eval guidance scale, on both prompt sets, paired with the base at CFG 1 and at
+    CFG 4.5 on the same noises."""
     from diffusers.utils import logging
 
     logging.set_verbosity_error()  # the LoRA has no text-encoder part, which load_lora_weights mentions
@@ -196,12 +200,15 @@ def cmd_final(args, sets):
         done = {json.loads(line)["run"] for line in (args.results / "final.jsonl").read_text().splitlines()}
     bases = {"cfg1": base_scores(args.model, sets, 1.0), "cfg4.5": base_scores(args.model, sets, 4.5)}
     for run in map(Path, args.runs):
-        if run.name in done or not (run / "lora").is_dir():
+        if run.name in done or not any((run / d).is_dir() for d in ("lora", "transformer")):
             continue
         run_args = json.loads((run / "args.json").read_text())
         cfg = run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
         pipe = models.load_pipeline(args.model, torch.device("cpu"))
-        pipe.load_lora_weights(str(run / "lora"))
+        if (run / "transformer").is_dir():
+            pipe.transformer = type(pipe.transformer).from_pretrained(str(run / "transformer"))
+        else:
+            pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
         for name, prompts in sets.items():
             m = score(pipe, encoder, prompts, cfg)
