@@ -33,6 +33,8 @@ REWARDS: Dict[str, Callable] = {
     "hpsv2": _lazy("hpsv2", "hpsv2"),
     "imagereward": _lazy("imagereward", "imagereward"),
     "ocr": _lazy("ocr", "ocr"),
+    "geneval": _lazy("geneval", "geneval"),
+    "geneval_strict": _lazy("geneval", "geneval_strict"),
 }
 
 
