@@ -264,12 +264,18 @@ class Detector:
     """fn(images [B, 3, H, W] in [0, 1]) -> per image {GenEval class name: [Detection]} (all of mmdet's top pairs)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32):
-        from transformers import Mask2FormerImageProcessorPil
+        from transformers import AutoConfig, Mask2FormerConfig, Mask2FormerImageProcessorPil
 
-        self.model = _clip.load(_mask2former_class().from_pretrained, DETECTOR_ENV, DETECTOR, "GenEval detector")
-        if self.model.config.num_labels != len(CLASSES):
-            name = self.model.config.name_or_path
-            raise UserError(f"GenEval detector {name!r} has {self.model.config.num_labels} classes, not COCO's 80")
+        config = _clip.load(AutoConfig.from_pretrained, DETECTOR_ENV, DETECTOR, "GenEval detector config")
+        if not isinstance(config, Mask2FormerConfig) or config.num_labels != len(CLASSES):
+            what = (
+                f"has {config.num_labels} classes"
+                if isinstance(config, Mask2FormerConfig)
+                else f"is a {type(config).__name__}"
+            )
+            raise UserError(f"GenEval detector {config.name_or_path!r} {what}: expected a Mask2Former of COCO's 80 classes")
+        load = lambda name: _mask2former_class().from_pretrained(name, config=config)  # noqa: E731
+        self.model = _clip.load(load, DETECTOR_ENV, DETECTOR, "GenEval detector")
         self.model = self.model.eval().requires_grad_(False).to(device=device, dtype=dtype)
         p = _clip.load(Mask2FormerImageProcessorPil.from_pretrained, DETECTOR_ENV, DETECTOR, "GenEval detector processor")
         self.short, self.long = p.size.get("shortest_edge"), p.size.get("longest_edge")

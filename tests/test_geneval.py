@@ -4,10 +4,12 @@ tiny random Mask2Former and CLIP saved with save_pretrained (nothing is download
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from common import UserError
 from rewards import geneval as ge
@@ -172,3 +174,209 @@ def test_mask2former_instances_by_hand():
     # a query whose mask has no pixel gives no detection
     empty = ge.mask2former_instances(class_logits[:1], torch.full((1, 4, 4), -1.0))
     assert empty == {}
+
+
+# ---- plumbing: tiny random Mask2Former and CLIP through the real loading code ----
+CAT = ge.CLASSES.index("cat")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """{"detector": a Mask2Former COCO-instance folder whose every query finds a cat covering the whole image (class
+    head: weight 0, bias +10 for cat; masks: pixel embeddings 1, query embeddings 0.1 -> logit 3.2 everywhere),
+    "clip": a random CLIP whose tokenizer knows the colour templates' words}."""
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, Mask2FormerConfig, Mask2FormerImageProcessorPil
+
+    from assets.build_tiny_shapes import build_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-geneval")
+    torch.manual_seed(0)
+    backbone = dict(model_type="swin", image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1])
+    backbone |= dict(num_heads=[1, 1, 1, 1], window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    cfg = Mask2FormerConfig(
+        backbone_config=backbone,
+        num_labels=80,
+        num_queries=2,
+        hidden_dim=32,
+        mask_feature_size=32,
+        feature_size=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_attention_heads=2,
+        dim_feedforward=32,
+        encoder_feedforward_dim=32,
+        use_pretrained_backbone=False,
+    )
+    detector = ge._mask2former_class()(cfg)
+    with torch.no_grad():
+        detector.class_predictor.weight.zero_()
+        detector.class_predictor.bias.zero_()
+        detector.class_predictor.bias[CAT] = 10.0
+        projection = detector.model.pixel_level_module.decoder.mask_projection
+        projection.weight.zero_()
+        projection.bias.fill_(1.0)
+        embedder = detector.model.transformer_module.decoder.mask_predictor.mask_embedder
+        last = [m for m in embedder.modules() if isinstance(m, torch.nn.Linear)][-1]
+        last.weight.zero_()
+        last.bias.fill_(0.1)
+    detector.save_pretrained(root / "detector")
+    Mask2FormerImageProcessorPil(size={"shortest_edge": 64, "longest_edge": 128}, size_divisor=32).save_pretrained(
+        root / "detector"
+    )
+
+    # CLIP's pre-tokenizer splits "red-colored" at the hyphen: whole words are the pieces between spaces and hyphens
+    words = {w for c in ge.COLORS for t in ge.COLOR_TEMPLATES for w in t.format(c=c, obj="cat").replace("-", " ").split()}
+    words.add("-")
+    tok = build_tokenizer(words)
+    clip_cfg = CLIPConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+        ),
+        projection_dim=16,
+    )
+    tok.save_pretrained(root / "clip")
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
+    CLIPModel(clip_cfg).save_pretrained(root / "clip")
+    return {"detector": str(root / "detector"), "clip": str(root / "clip")}
+
+
+@pytest.fixture
+def env(monkeypatch, tiny_models):
+    monkeypatch.setenv(ge.DETECTOR_ENV, tiny_models["detector"])
+    monkeypatch.setenv(ge.CLIP_ENV, tiny_models["clip"])
+
+
+def solid(n, h=48, w=40):
+    torch.manual_seed(1)
+    return torch.rand(n, 3, 1, 1).expand(n, 3, h, w).clone()
+
+
+def test_detector_finds_the_planted_cats(env):
+    scorer = ge.GenEval("cpu")
+    (found,) = scorer.detector(solid(1))
+    assert list(found) == ["cat"] or max(d.score for k, v in found.items() if k != "cat" for d in v) < 1e-3
+    cats = found["cat"]
+    assert len(cats) == 2 and all(d.box == (0, 0, 40, 48) and d.mask.all() for d in cats)  # the image's own size
+    p = math.exp(10) / (math.exp(10) + 80)  # softmax over 80 classes + no-object, cat's logit 10, the others 0
+    assert cats[0].score == pytest.approx(p / (1 + math.exp(-3.2)), rel=1e-4)  # x mean mask probability sigmoid(3.2)
+
+
+def test_rewards_score_the_rules_end_to_end(env):
+    from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+
+    images = solid(6)
+    # the colour CLIP should give the whole image (the cats' masks cover it), computed here with the processor on PIL
+    model, tok = CLIPModel.from_pretrained(os.environ[ge.CLIP_ENV]), CLIPTokenizer.from_pretrained(os.environ[ge.CLIP_ENV])
+    processor = CLIPImageProcessorPil.from_pretrained(os.environ[ge.CLIP_ENV])
+    pil = Image.fromarray((images[0].permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
+    with torch.no_grad():
+        img = model.get_image_features(**processor(images=pil, return_tensors="pt"))
+        img = (img if isinstance(img, torch.Tensor) else img.pooler_output)[0]
+        texts = [t.format(c=c, obj="cat") for c in ge.COLORS for t in ge.COLOR_TEMPLATES]
+        txt = model.get_text_features(**tok(texts, padding=True, return_tensors="pt"))
+        txt = txt if isinstance(txt, torch.Tensor) else txt.pooler_output
+    txt = torch.nn.functional.normalize(txt, dim=-1).view(len(ge.COLORS), len(ge.COLOR_TEMPLATES), -1).mean(1)
+    sims = torch.nn.functional.normalize(txt, dim=-1) @ torch.nn.functional.normalize(img, dim=-1)
+    colour = ge.COLORS[int(sims.argmax())]
+    other = next(c for c in ge.COLORS if c != colour)
+    prompts = [
+        "a photo of a cat",  # 1 of 1 clause
+        "a photo of a dog",  # 0 of 1
+        "a photo of two cats",  # counting: 2 cats above 0.9, fewer than 3: 2 of 2
+        "a photo of three cats",  # 2 found: include fails, exclude holds: 1 of 2
+        f"a photo of a {colour} cat",
+        f"a photo of an {other} cat" if other[0] in "aeiou" else f"a photo of a {other} cat",
+    ]
+    strict = ge.geneval_strict("cpu")(images, prompts)
+    partial = ge.geneval("cpu", batch_size=4)(images, prompts)  # other chunking, same per-image scores
+    assert strict.tolist() == [1, 0, 1, 0, 1, 0]
+    assert partial.tolist() == [1, 0, 1, 0.5, 1, 0]
+    one_by_one = torch.cat([ge.geneval("cpu", batch_size=1)(images[k : k + 1], prompts[k : k + 1]) for k in range(6)])
+    assert one_by_one.tolist() == partial.tolist()
+
+
+def test_a_non_geneval_prompt_stops_before_training(env):
+    from rewards import load_rewards
+
+    with pytest.raises(UserError, match="GenEval's prompts"):
+        load_rewards("geneval", torch.device("cpu"), ["a photo of a cat", "a red circle"])
+
+
+def test_a_detector_without_coco_classes_is_one_line(env, tmp_path, monkeypatch, tiny_models):
+    import shutil
+
+    folder = tmp_path / "detector"
+    shutil.copytree(tiny_models["detector"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_labels"] = 3
+    config["id2label"] = {str(k): f"c{k}" for k in range(3)}
+    config["label2id"] = {f"c{k}": k for k in range(3)}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv(ge.DETECTOR_ENV, str(folder))
+    with pytest.raises(UserError, match="has 3 classes: expected a Mask2Former of COCO's 80"):
+        ge.GenEval("cpu")
+
+
+# ---- benchmark/geneval.py: GenEval's protocol on the tiny generator with the planted-cat detector ----
+def run_benchmark(argv, capsys):
+    from benchmark import geneval as bench
+
+    capsys.readouterr()
+    try:
+        bench.main([str(a) for a in argv])
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_benchmark_scores_per_tag_and_overall(env, tmp_path, capsys):
+    rows = [json.loads(line) for line in METADATA.read_text().splitlines()][:3]  # single_object x 2, two_object
+    rows.append({"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"})
+    rows.append({"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+                 "prompt": "a photo of two cats"})  # fmt: skip
+    meta = tmp_path / "meta.jsonl"
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.jsonl"
+    flags = ["--num-steps", "2", "--images-per-prompt", "2", "--guidance-scale", "1", "--batch", "4", "--device", "cpu"]
+    rc, stdout, err = run_benchmark(["--metadata", meta, "--out", out, *flags], capsys)
+    assert rc == 0, err[-2000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == 2 * len(rows)
+    assert [r["prompt"] for r in results] == [r["prompt"] for r in rows] * 2  # each prompt's images on two noises
+    # every image holds exactly the two planted cats: only the cat prompts are correct
+    assert [r["correct"] for r in results] == [False, False, False, True, True] * 2
+    # single_object: 1 of 3 prompts correct; two_object 0; counting 1 -> overall (1/3 + 0 + 1) / 3
+    assert "| single_object | 0.3333 |" in stdout and "| two_object | 0.0000 |" in stdout
+    assert "| counting | 1.0000 |" in stdout and f"| overall | {(1 / 3 + 0 + 1) / 3:.4f} |" in stdout
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("not json\n", "meta.jsonl:1: not JSON"),
+        ('{"prompt": "a photo of a cat"}\n', 'expected GenEval metadata with a "tag"'),
+        ('{"tag": "t", "prompt": "p", "include": [{"class": "unicorn", "count": 1}]}\n', "needs a COCO class of GenEval"),
+        ('{"tag": "t", "prompt": "p", "include": [{"class": "cat", "count": 1, "color": "teal"}]}\n', "colour 'teal'"),
+        ("\n", "has no prompts"),
+    ],
+)
+def test_benchmark_bad_metadata_is_one_line_and_writes_nothing(env, tmp_path, capsys, content, message):
+    meta, out = tmp_path / "meta.jsonl", tmp_path / "results.jsonl"
+    meta.write_text(content)
+    rc, _, err = run_benchmark(["--metadata", meta, "--out", out], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not out.exists()
