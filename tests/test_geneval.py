@@ -380,3 +380,25 @@ def test_benchmark_bad_metadata_is_one_line_and_writes_nothing(env, tmp_path, ca
     lines = [x for x in err.splitlines() if x.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert not out.exists()
+
+
+def test_tiny_training_run_on_geneval_with_the_strict_score_as_a_side_metric(env, tmp_path):
+    from conftest import run_in_process
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from algos import nft
+
+    (tmp_path / "train.txt").write_text("a photo of a cat\na photo of two cats\na photo of three cats\n")
+    (tmp_path / "test.txt").write_text("a photo of a cat\na photo of a dog\n")
+    flags = "--num-prompts 2 --group-size 2 --micro-batch 4 --num-steps 2 --grad-steps-per-epoch 1 --num-train-timesteps 1"
+    argv = [*flags.split(), "--num-epochs", "1", "--reward", "geneval", "--eval-rewards", "geneval_strict"]
+    argv += ["--train-prompts", tmp_path / "train.txt", "--test-prompts", tmp_path / "test.txt"]
+    assert run_in_process(nft, [*argv, "--output-dir", tmp_path / "runs"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    # the planted detector sees two cats in every image: "a cat" holds and "a dog" does not, whatever the weights
+    assert [e.value for e in acc.Scalars("eval/geneval")] == [0.5, 0.5]
+    assert [e.value for e in acc.Scalars("eval/geneval_strict")] == [0.5, 0.5]
+    # training prompts: a cat 1, two cats 1, three cats 1/2 (the include clause fails, the exclude holds)
+    assert 0.5 <= acc.Scalars("charts/reward_mean")[0].value <= 1
