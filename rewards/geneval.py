@@ -12,9 +12,11 @@ correct when every clause holds; a tag's score is the mean over its images and t
 What differs: the detector is transformers' Mask2Former (default the Swin-S COCO-instance checkpoint, the architecture
 GenEval loads through mmdet, but Meta's weights rather than mmdet's own training run), post-processed here as mmdet's
 Mask2Former head does (top-100 (query, class) pairs, score = class probability x mean mask probability inside the mask,
-box = the mask's extent); images are resized on tensors (bilinear, antialiased) instead of by mmcv. Scores are therefore
-close to, not equal to, the mmdet original (see the README). `geneval` is the fraction of clauses met (a denser training
-signal, like Flow-GRPO's partial GenEval reward); `geneval_strict` is GenEval's own all-or-nothing `correct`.
+box = the mask's extent); images are resized as mmdet's test pipeline does (shorter side 800, longer at most 1333),
+on tensors (bilinear, antialiased) instead of by mmcv; only the normalisation and padding come from the hub processor.
+Scores are therefore close to, not equal to, the mmdet original (see the README). `geneval_strict` is GenEval's own
+all-or-nothing `correct`; `geneval`, the training reward, is the fraction of the prompt's clauses met (our choice: a
+denser signal than 0/1, equal to it when every clause holds).
 
 Prompts are parsed back into GenEval's metadata (`parse_prompt`: its prompt grammar, prompts/create_prompts.py), so the
 reward needs only the prompt text. $CLEANFLOW_GENEVAL_DETECTOR and $CLEANFLOW_GENEVAL_CLIP point the two models at local
@@ -38,6 +40,7 @@ COUNTING_THRESHOLD = 0.9  # counting prompts: a stricter detector score, so that
 MAX_OBJECTS = 16  # detections kept per class
 POSITION_THRESHOLD = 0.1  # share of the two boxes' summed size that an offset must exceed to count as a direction
 MAX_PER_IMAGE = 100  # mmdet Mask2Former test_cfg.max_per_image: (query, class) pairs kept before the threshold
+SHORT_EDGE, LONG_EDGE = 800, 1333  # mmdet's (and Detectron2's) COCO test resize; the hub processors say 384 or 800
 BACKGROUND = 0x99 / 255  # GenEval's bgcolor "#999": pixels outside the object's mask in the colour crop
 
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
@@ -278,18 +281,16 @@ class Detector:
         self.model = _clip.load(load, DETECTOR_ENV, DETECTOR, "GenEval detector")
         self.model = self.model.eval().requires_grad_(False).to(device=device, dtype=dtype)
         p = _clip.load(Mask2FormerImageProcessorPil.from_pretrained, DETECTOR_ENV, DETECTOR, "GenEval detector processor")
-        self.short, self.long = p.size.get("shortest_edge"), p.size.get("longest_edge")
         self.divisor = p.size_divisor or 1
         self.mean = torch.tensor(p.image_mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(p.image_std, device=device).view(1, 3, 1, 1)
         self.device, self.dtype = device, dtype
 
-    def resized(self, h: int, w: int) -> tuple:
-        """mmdet's keep-ratio Resize to (longest_edge, shortest_edge): the shorter side to `short` unless the longer
-        would then exceed `long`."""
-        scale = self.short / min(h, w) if self.short else 1.0
-        if self.long and max(h, w) * scale > self.long:
-            scale = self.long / max(h, w)
+    @staticmethod
+    def resized(h: int, w: int) -> tuple:
+        """mmdet's keep-ratio Resize to scale (1333, 800), the test pipeline of GenEval's config: the shorter side to
+        SHORT_EDGE unless the longer would then exceed LONG_EDGE (a 512 x 512 image is detected at 800 x 800)."""
+        scale = min(SHORT_EDGE / min(h, w), LONG_EDGE / max(h, w))
         return int(h * scale + 0.5), int(w * scale + 0.5)
 
     @torch.no_grad()

@@ -220,9 +220,7 @@ def tiny_models(tmp_path_factory):
         last.weight.zero_()
         last.bias.fill_(0.1)
     detector.save_pretrained(root / "detector")
-    Mask2FormerImageProcessorPil(size={"shortest_edge": 64, "longest_edge": 128}, size_divisor=32).save_pretrained(
-        root / "detector"
-    )
+    Mask2FormerImageProcessorPil(size_divisor=32).save_pretrained(root / "detector")
 
     # CLIP's pre-tokenizer splits "red-colored" at the hyphen: whole words are the pieces between spaces and hyphens
     words = {w for c in ge.COLORS for t in ge.COLOR_TEMPLATES for w in t.format(c=c, obj="cat").replace("-", " ").split()}
@@ -260,6 +258,12 @@ def env(monkeypatch, tiny_models):
 def solid(n, h=48, w=40):
     torch.manual_seed(1)
     return torch.rand(n, 3, 1, 1).expand(n, 3, h, w).clone()
+
+
+@pytest.mark.parametrize("h, w, expected", [(512, 512, (800, 800)), (48, 40, (960, 800)), (100, 1000, (133, 1333))])
+def test_detector_input_size_is_mmdets_test_resize(h, w, expected):
+    # the shorter side to 800 unless the longer would pass 1333: 100 x 1000 scales by 1.333, not 8
+    assert ge.Detector.resized(h, w) == expected
 
 
 def test_detector_finds_the_planted_cats(env):
