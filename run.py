@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from common import FAMILIES, REPO, UserError, evaluate
+from common import FAMILIES, REPO, UserError, evaluate, load_prompts
 from distributed import busy_cpu_hint, check_device
 from models import EvalEMA, check_model_folder, compile_unavailable, pipeline_config, swapped_weights
 
@@ -155,6 +155,7 @@ SAFE_OVERRIDES = (
     "eval_num_steps",
     "eval_guidance_scale",
     "eval_noises",
+    "eval_rewards",
 )
 
 
@@ -262,6 +263,7 @@ def check_args(args, fresh: bool = True):
                 f"{_flag(lora_flags[0])}: a LoRA setting, but --full-finetune trains every transformer weight (no LoRA)"
             )
     check_device(args.device)
+    check_eval_rewards(args)
     model = Path(args.model).expanduser()
     if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
         if not (model / "model_index.json").is_file():
@@ -291,6 +293,39 @@ def check_args(args, fresh: bool = True):
             raise UserError(
                 f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)"
             )
+
+
+def check_eval_rewards(args):
+    """--eval-rewards: reward names (or servers) of the registry, each once, none of them trained on (its eval score is
+    logged already)."""
+    from rewards import REWARDS, parse_reward_spec, remote
+
+    names = tuple(getattr(args, "eval_rewards", ()))
+    trained = parse_reward_spec(args.reward) if names else {}
+    for k, name in enumerate(names):
+        if name not in REWARDS and not remote.is_url(name):
+            raise UserError(
+                f"--eval-rewards: unknown reward {name!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]"
+            )
+        if name in names[:k]:
+            raise UserError(f"--eval-rewards: {name!r} is named twice")
+        if name in trained:
+            raise UserError(f"--eval-rewards: {name!r} is the training reward, whose eval score is logged already")
+
+
+def load_eval_rewards(args, enabled: bool):
+    """The side metrics of --eval-rewards as one MultiReward (None without any), on rank 0 only (`enabled`): only the
+    logger's rank evaluates."""
+    names = tuple(getattr(args, "eval_rewards", ()))
+    if not enabled or not names:
+        return None
+    from rewards import MultiReward
+
+    multi = MultiReward(dict.fromkeys(names, 1.0), check_device(getattr(args, "device", None)))
+    for fn in multi.fns.values():  # a reward that needs something of its prompts (ocr: a quoted text) sees the eval ones
+        if hasattr(fn, "check_prompts"):
+            fn.check_prompts(load_prompts(args.test_prompts))
+    return multi
 
 
 def writable(folder: Path) -> bool:
@@ -584,6 +619,9 @@ class Logger:
         self.enabled, self.run_dir = enabled, Path(run_dir)
         self.writer = self.wandb = None
         self.last_scalars, self.last_images = {}, {}  # tag -> (value, step); tag -> ([H, W, 3] uint8 grid, captions, step)
+        # the side metrics rank 0 scores at each eval (`evaluate_and_log`), loaded before the first write: a model that
+        # cannot be loaded stops the run with one line and nothing written
+        self.eval_rewards = load_eval_rewards(args, enabled)
         if not enabled:
             return
         rng = rng_state()  # created after a resume restored the RNGs: whatever wandb or TensorBoard draws is given back
@@ -1439,17 +1477,24 @@ def evaluate_and_log(
 ):
     """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
     --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
-    at x = images seen, and print the means as a line that stays above the progress bar. Returns {reward: mean}
+    at x = images seen, with the side metrics of --eval-rewards (the logger's) beside the training rewards, and print the
+    means as a line that stays above the progress bar. Returns {reward: mean}
     (None on the other ranks)."""
     if not logger.enabled:
         return None
+
+    def score(images, prompts):  # the training rewards' eval metrics, then the side metrics (--eval-rewards)
+        out = rewards.evaluate(images, prompts)
+        side = logger.eval_rewards(images, prompts) if logger.eval_rewards is not None else {}
+        return {**out, **{k: v for k, v in side.items() if k not in out}}
+
     with eval_ema.swapped():
         imgs, scores = evaluate(
             pipe,
             pipe.transformer,
             encoder,
             prompts,
-            rewards.evaluate,
+            score,
             num_steps=args.eval_num_steps or args.num_steps,
             guidance_scale=args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale,
             seed=0,

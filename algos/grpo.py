@@ -95,6 +95,8 @@ class Args:
     """diffusers pipeline: a local folder or a hub id"""
     reward: str = "shapes_clean"
     """reward name or weighted list "name:w,name:w" (rewards/)"""
+    eval_rewards: tuple[str, ...] = ()
+    """side metrics scored on the eval images only, eval/<name>"""
     train_prompts: str = common.TRAIN_PROMPTS
     """prompt file (.txt, or .jsonl with a "prompt" field)"""
     test_prompts: str = common.TEST_PROMPTS

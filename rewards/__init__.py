@@ -35,6 +35,8 @@ REWARDS: Dict[str, Callable] = {
     "ocr": _lazy("ocr", "ocr"),
     "vlm": _lazy("vlm", "vlm"),
     "hpsv3": _lazy("hpsv3", "hpsv3"),
+    "geneval": _lazy("geneval", "geneval"),
+    "geneval_strict": _lazy("geneval", "geneval_strict"),
 }
 
 
