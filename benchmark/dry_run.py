@@ -476,7 +476,7 @@ def component_params(spec: tuple) -> float:
 def block_activations(s: Scale, side_scale: int = 4, text_tokens: int = 32) -> dict:
     """Saved-for-backward bytes per token, measured on real bf16 weights at full width with one block of each kind:
     the small model once, then with each kind's block run twice (the difference is one more block of that kind), for
-    LoRA (fp32 adapters on the family's targets under bf16 autocast, as --mixed-precision) and for full fine-tuning
+    LoRA (adapters on the family's targets under bf16 autocast, as --mixed-precision) and for full fine-tuning
     (every bf16 weight trainable; the weights themselves are not activations). Also the bytes of a block's input
     streams (what gradient checkpointing keeps per block), and `linearity`: the small model's bytes at 4x the tokens
     over 4x its bytes at these (1.0: linear in tokens)."""
@@ -515,9 +515,7 @@ def block_activations(s: Scale, side_scale: int = 4, text_tokens: int = 32) -> d
                             with_kwargs=True,
                         )
                     )
-        # no cast cache: a block run twice casts its fp32 LoRA weights again, as a distinct block's would be
-        autocast = torch.autocast("cpu", torch.bfloat16, lora, cache_enabled=False)
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), autocast:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), torch.autocast("cpu", torch.bfloat16, lora):
             out = family.velocity(t, x, torch.full((1,), 0.5), embeds, extra, None, 1.0)
         for hook in hooks:
             hook.remove()
@@ -531,7 +529,10 @@ def block_activations(s: Scale, side_scale: int = 4, text_tokens: int = 32) -> d
             t.requires_grad_(True)
         else:
             t.requires_grad_(False)
-            models.add_lora(t, LORA_RANK, 2 * LORA_RANK, None)
+            for p in models.add_lora(t, LORA_RANK, 2 * LORA_RANK, None):
+                # bf16 here, so autocast makes no per-block weight copy: those bytes do not grow with the tokens and
+                # are counted once in per_gpu (2 B per LoRA parameter), not scaled with the activations
+                p.data = p.data.to(torch.bfloat16)
         inputs = []
         base = run(1, mode == "lora", inputs)
         extra_blocks = {}
@@ -569,7 +570,8 @@ def per_gpu(c: dict, *, ranks: int, fsdp: bool, gc: bool, full: bool, text_encod
     16 B per LoRA parameter. FSDP divides weights, grads and moments by the ranks, and adds what is not divided: the
     root unit gathered for the whole forward/backward (FSDP2 keeps the root unsharded), the current and the
     prefetched block gathered in bf16, and (full) their unsharded bf16 grads before the reduce-scatter. Without FSDP,
-    full fine-tuning also holds autocast's bf16 copy of the weights for the backward (one block with checkpointing).
+    autocast's bf16 copies of the trained weights are held for the backward (full fine-tuning: one block's with
+    checkpointing; LoRA: all, small).
     The text encoders, when resident, and the VAE are not sharded."""
     n = ranks if fsdp else 1
     p, unit, root = c["params"], c["unit"], c["root"]
@@ -582,8 +584,8 @@ def per_gpu(c: dict, *, ranks: int, fsdp: bool, gc: bool, full: bool, text_encod
         t["trained"] = 16 * c["lora"] / n
     if fsdp:
         t["gathered"] = 2 * (root + 2 * unit) + (2 * (root + unit) if full else 0)
-    elif full:
-        t["bf16 copy"] = 2 * (unit if gc else p)
+    else:
+        t["bf16 copy"] = 2 * (unit if gc else p) if full else 2 * c["lora"]
     t["activations"] = c["act_gc"] if gc else c["act"]
     t["text encoder"] = 2 * c["te"] if text_encoder else 0
     t["vae"] = 2 * c["vae"]
@@ -622,7 +624,7 @@ def memory_table(scales=SCALES) -> tuple[str, list]:
         for mode in ("lora", "full"):
             m = a[mode]
             kinds = ", ".join(
-                f"one more `{attr}` block {m['blocks'][(attr, index)] / a['tokens'] / 1e3:.1f} kB"
+                f"one more block like `{attr}[{index}]` {m['blocks'][(attr, index)] / a['tokens'] / 1e3:.1f} kB"
                 for attr, index, _ in s.kinds
             )
             lines.append(
@@ -676,9 +678,19 @@ def memory_section(body: str, summary: list, seconds: float) -> str:
             n = fit[(full, True, fsdp)][0]
             return "does not fit" if n is None else f"{n} GPU{'s' if n > 1 else ''}"
 
+        worse = [
+            m
+            for m, full in (("LoRA", False), ("full", True))
+            if (fit[(full, True, False)][0] or 1e9) < fit[(full, True, True)][0]
+        ]
         reading.append(
             f"- {name}: LoRA {say(False, False)} without FSDP, {say(False, True)} with it; full fine-tuning "
             f"{say(True, False)} without FSDP, {say(True, True)} with it."
+            + (
+                f" ({' and '.join(worse)}: the units FSDP gathers cost more than sharding saves on so few GPUs.)"
+                if worse
+                else ""
+            )
         )
     return (
         f"""{MEMORY_HEADING}: SD3.5-M, Qwen-Image 20B and FLUX.2-dev 32B at 1, 8 and 16 ranks (estimate)
@@ -689,26 +701,30 @@ transformer is built from its published config (sources cited beside the configs
 device, LoRA r{LORA_RANK} attached with peft on `models/<family>.py`'s targets; the text encoders and VAEs likewise
 (transformers / diffusers classes on the meta device; SD3.5-M's CLIP-L + CLIP-G + T5-XXL and VAE: the nominal counts of
 the table above). **Activations are measured** with `torch.autograd.graph.saved_tensors_hooks` (each storage once, weights
-excluded) on real bf16 weights at full width: a model with one block of each kind (SD3.5-M: a dual-attention, a plain and
-the last block; Qwen-Image: one block; FLUX.2-dev: one double- and one single-stream block) runs the family's own
+excluded) on real bf16 weights at full width: a model with one block of each kind (SD3.5-M: `transformer_blocks[0]`
+dual-attention, `[1]` plain, `[2]` the last; Qwen-Image: one block; FLUX.2-dev: `transformer_blocks[0]` double-stream,
+`single_transformer_blocks[0]` single-stream) runs the family's own
 `velocity` at 256 image + 32 text tokens; running a kind's block twice gives the bytes of one more block of that kind, and
 the full model = the small one + (count - 1) x each kind. Those bytes are **scaled linearly** to 1024x1024 (4096 image
 tokens) + the family's text tokens (SD3.5-M 205 as the paper scripts, Qwen-Image 512 = its pipeline's maximum, an upper
 bound, FLUX.2-dev 512 = what its pipeline always pads to); the line "four times the tokens gives ..." checks the
-linearity on this CPU's memory-efficient attention (4.00 = linear). LoRA is measured as `--mixed-precision` runs (fp32
-adapters, bf16 autocast), full fine-tuning with every bf16 weight trainable.
+linearity on this CPU's memory-efficient attention (4.00 = linear; below 4, a part that does not grow with the tokens,
+which the linear scaling overestimates). LoRA is measured as `--mixed-precision` runs (fp32
+adapters, bf16 autocast; the adapters' bf16 copies are a separate term: they do not grow with the tokens), full
+fine-tuning with every bf16 weight trainable.
 
 Terms (`per_gpu` in the script), micro-batch 1 per rank, one transformer pass per sample (a two-pass CFG training
 forward, as GRPO's, doubles the activations): LoRA = bf16 base (also the reference: adapter off) + 16 B per LoRA
-parameter (fp32 weight, grad, AdamW m and v). **Full fine-tuning = fp32 master weights + fp32 grads + fp32 AdamW moments
-(16 B/param), computed in bf16**, + the frozen bf16 reference copy the KL term needs (2 B/param); without FSDP also
-autocast's bf16 weight copies kept for the backward (2 B/param; one block's with checkpointing). (bf16 weights + bf16
-grads + fp32 moments would be 12 B/param and no bf16 copy.) **FSDP** (`fully_shard` per block + root) divides weights,
-grads, moments and the reference by the ranks; what it does not divide is added: the root unit gathered for the whole
-forward/backward (FSDP2 keeps the root unsharded), the current and the prefetched block gathered in bf16, and for full
-fine-tuning their unsharded bf16 grads before the reduce-scatter. Activations, text encoders and the VAE are per rank
-and not divided. Gradient checkpointing keeps the activations outside the blocks + every block's input streams + one
-block recomputed at a time. Without FSDP, more ranks change nothing per GPU (data parallel replicates everything).
+parameter (fp32 weight, grad, AdamW m and v) + their bf16 autocast copies (2 B; inside the gathered units with FSDP).
+**Full fine-tuning = fp32 master weights + fp32 grads + fp32 AdamW moments (16 B/param), computed in bf16**, + the
+frozen bf16 reference copy the KL term needs (2 B/param); without FSDP also autocast's bf16 weight copies kept for the
+backward (2 B/param; one block's with checkpointing). (bf16 weights + bf16 grads + fp32 moments would be 12 B/param and
+no bf16 copy.) **FSDP** (`fully_shard` per block + root) divides weights, grads, moments and the reference by the ranks;
+what it does not divide is added: the root unit gathered for the whole forward/backward (FSDP2 keeps the root
+unsharded), the current and the prefetched block gathered in bf16, and for full fine-tuning their unsharded bf16 grads
+before the reduce-scatter. Activations, text encoders and the VAE are per rank and not divided. Gradient checkpointing
+keeps the activations outside the blocks + every block's input streams + one block recomputed at a time. Without FSDP,
+more ranks change nothing per GPU (data parallel replicates everything).
 
 Cells: GB per GPU with the text encoder offloaded to the CPU after encoding the prompts (in brackets: resident on every
 GPU). "Fewest H100s": the smallest rank count whose estimate fits {GPU_BUDGET_GB:.0f} GB of an 80 GB H100 (the rest for the
