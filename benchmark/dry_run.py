@@ -382,6 +382,7 @@ class Scale:
     small: dict  # config overrides: one block of each kind, full width
     kinds: tuple
     latent: tuple  # [C, h, w] the family's sampler draws at 1024x1024
+    patch: int  # latent pixels per token side: 2 where the transformer patchifies 2x2, 1 where the latent already is
     joint_dim: int
     extra: Callable  # batch -> the family's second conditioning tensor (pooled, mask or empty)
     text_tokens: int
@@ -398,6 +399,7 @@ SCALES = (
         dict(num_layers=3, dual_attention_layers=(0,)),  # a dual-attention block, a plain one, the context_pre_only last
         (("transformer_blocks", 0, 13), ("transformer_blocks", 1, 10)),
         (16, 128, 128),
+        2,
         4096,
         lambda b: torch.zeros(b, 2048),
         205,  # 77 CLIP + 128 T5 tokens, as the paper scripts
@@ -412,8 +414,9 @@ SCALES = (
         dict(num_layers=1),
         (("transformer_blocks", 0, 60),),
         (16, 128, 128),
+        2,
         3584,
-        None,  # a full token mask, set per batch below
+        None,  # the family takes a token mask: all ones (no padding)
         512,  # the pipeline's max_sequence_length: an upper bound, prompts are usually shorter
         ("Qwen2.5-VL-7B", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),
         ("AutoencoderKLQwenImage", {}),
@@ -426,6 +429,7 @@ SCALES = (
         dict(num_layers=1, num_single_layers=1),
         (("transformer_blocks", 0, 8), ("single_transformer_blocks", 0, 48)),
         (128, 64, 64),
+        1,
         15360,
         lambda b: torch.zeros(b, 0),
         512,  # Flux2Pipeline pads every prompt to max_sequence_length 512
@@ -474,8 +478,8 @@ def component_params(spec: tuple) -> float:
 
 
 def block_activations(s: Scale, side_scale: int = 4, text_tokens: int = 32) -> dict:
-    """Saved-for-backward bytes per token, measured on real bf16 weights at full width with one block of each kind:
-    the small model once, then with each kind's block run twice (the difference is one more block of that kind), for
+    """Saved-for-backward bytes at `tokens` (image + text), measured on real bf16 weights at full width with one block
+    of each kind: the small model once, then with each kind's block run twice (the difference: one more block), for
     LoRA (adapters on the family's targets under bf16 autocast, as --mixed-precision) and for full fine-tuning
     (every bf16 weight trainable; the weights themselves are not activations). Also the bytes of a block's input
     streams (what gradient checkpointing keeps per block), and `linearity`: the small model's bytes at 4x the tokens
@@ -523,7 +527,7 @@ def block_activations(s: Scale, side_scale: int = 4, text_tokens: int = 32) -> d
         del out
         return meter.peak
 
-    result = {"tokens": h * w // side_scale**2 // (1 if s.family == "flux2" else 4) + text_tokens}
+    result = {"tokens": h * w // (side_scale * s.patch) ** 2 + text_tokens}
     for mode in ("full", "lora"):
         if mode == "full":
             t.requires_grad_(True)
@@ -571,8 +575,7 @@ def per_gpu(c: dict, *, ranks: int, fsdp: bool, gc: bool, full: bool, text_encod
     root unit gathered for the whole forward/backward (FSDP2 keeps the root unsharded), the current and the
     prefetched block gathered in bf16, and (full) their unsharded bf16 grads before the reduce-scatter. Without FSDP,
     autocast's bf16 copies of the trained weights are held for the backward (full fine-tuning: one block's with
-    checkpointing; LoRA: all, small).
-    The text encoders, when resident, and the VAE are not sharded."""
+    checkpointing; LoRA: all, small). The text encoders, when resident, and the VAE are not sharded."""
     n = ranks if fsdp else 1
     p, unit, root = c["params"], c["unit"], c["root"]
     t = {}

@@ -88,11 +88,11 @@ def tiny_scales():
     return {
         "qwenimage": Scale(
             "tiny Qwen-Image", "QwenImageTransformer2DModel", qwen, "qwenimage", dict(num_layers=1),
-            (("transformer_blocks", 0, 3),), (4, 32, 32), 16, None, 8, te, te,
+            (("transformer_blocks", 0, 3),), (4, 32, 32), 2, 16, None, 8, te, te,
         ),
         "flux2": Scale(
             "tiny FLUX.2", "Flux2Transformer2DModel", flux2, "flux2", dict(num_layers=1, num_single_layers=1),
-            (("transformer_blocks", 0, 2), ("single_transformer_blocks", 0, 3)), (16, 16, 16), 48,
+            (("transformer_blocks", 0, 2), ("single_transformer_blocks", 0, 3)), (16, 16, 16), 1, 48,
             lambda b: torch.zeros(b, 0), 8, te, te,
         ),
     }  # fmt: skip
@@ -199,3 +199,17 @@ def test_memory_table_bad_out_folder_exits_2_writing_nothing(tmp_path):
     r = run_script(["benchmark/dry_run.py", "--memory-table", "--out", out], check=False, timeout=120)
     assert r.returncode == 2 and not out.parent.exists()
     assert r.stderr.strip().splitlines() == [f"--out {out}: the folder {out.parent} does not exist"]
+
+
+def test_full_size_configs_have_the_published_sizes():
+    """The configs the memory table uses, built on the meta device: Qwen-Image's 20,430,401,088 parameters are the
+    40.86 GB of its released bf16 safetensors; FLUX.2-dev is BFL's "32B", its Mistral-Small encoder "24B", Qwen2.5-VL-7B
+    the hub's 8.29B; SD3.5-M as the dry run built it for real (SD35_MEDIUM_PARAMS)."""
+    from benchmark.dry_run import SCALES, SD35_MEDIUM_PARAMS, component_params, model_counts
+
+    sd35, qwen, flux2 = SCALES
+    assert model_counts(sd35)["params"] == SD35_MEDIUM_PARAMS
+    assert model_counts(qwen)["params"] == 20_430_401_088
+    assert 32.0e9 < model_counts(flux2)["params"] < 32.5e9
+    assert round(component_params(qwen.text_encoder) / 1e9, 2) == 8.29
+    assert 23.5e9 < component_params(flux2.text_encoder) < 24.5e9
