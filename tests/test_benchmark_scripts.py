@@ -54,3 +54,162 @@ def test_best_of_k_is_the_mean_over_all_k_subsets_of_noises():
         brute = np.mean([np.mean([exact[list(s), p].max() for s in itertools.combinations(range(8), k)]) for p in range(30)])
         assert abs(best_of_k(exact, k) - brute) < 1e-12
     assert best_of_k(exact, 1) == exact.mean()
+
+
+def tiny_scales():
+    """dry_run.Scale records for tiny Qwen-Image and FLUX.2 transformers (the real classes, small widths)."""
+    import torch
+
+    from benchmark.dry_run import Scale
+
+    qwen = dict(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(8, 4, 4),
+    )
+    flux2 = dict(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=True,
+    )
+    te = ("none", 0)
+    return {
+        "qwenimage": Scale(
+            "tiny Qwen-Image", "QwenImageTransformer2DModel", qwen, "qwenimage", dict(num_layers=1),
+            (("transformer_blocks", 0, 3),), (4, 32, 32), 2, 16, None, 8, te, te,
+        ),
+        "flux2": Scale(
+            "tiny FLUX.2", "Flux2Transformer2DModel", flux2, "flux2", dict(num_layers=1, num_single_layers=1),
+            (("transformer_blocks", 0, 2), ("single_transformer_blocks", 0, 3)), (16, 16, 16), 1, 48,
+            lambda b: torch.zeros(b, 0), 8, te, te,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwenimage", "flux2"])
+def test_meta_parameter_counts_equal_the_real_model(family):
+    """dry_run.model_counts (built on the meta device) against the same config built for real, and the LoRA count
+    against 8 D x D projections per double-stream block, each adding r (D + D)."""
+    import diffusers
+    import torch
+
+    import models
+    from benchmark.dry_run import model_counts
+
+    s = tiny_scales()[family]
+    c = model_counts(s, rank=4)
+    torch.manual_seed(0)
+    real = getattr(diffusers, s.cls)(**s.config)
+    assert c["params"] == sum(p.numel() for p in real.parameters())
+    attrs = [k[0] for k in s.kinds]
+    assert c["root"] == sum(p.numel() for n, p in real.named_parameters() if n.split(".")[0] not in attrs)
+    assert c["unit"] == max(sum(p.numel() for p in b.parameters()) for a in attrs for b in getattr(real, a))
+    assert c["blocks"] == sum(len(getattr(real, a)) for a in attrs)
+    models.add_lora(real, 4, 8, None)
+    assert c["lora"] == sum(p.numel() for n, p in real.named_parameters() if "lora_" in n)
+    double_blocks = s.config["num_layers"]  # FLUX.2's single-stream blocks have none of the family's targets
+    assert c["lora"] == double_blocks * 8 * 4 * (32 + 32)
+
+
+@pytest.mark.parametrize("family", ["qwenimage", "flux2"])
+def test_one_more_block_extrapolation_equals_the_deeper_model(family):
+    """dry_run.block_activations measures a one-block-per-kind model and one more block of each kind; activations()
+    extrapolates to the config's block counts. Equal to the bytes measured on the deeper model itself."""
+    import diffusers
+    import torch
+
+    import models
+    from benchmark.dry_run import SavedTensorMeter, activations, block_activations
+
+    s = tiny_scales()[family]
+    a = block_activations(s, side_scale=2, text_tokens=s.text_tokens)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        deep = getattr(diffusers, s.cls)(**s.config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    c, h, w = s.latent
+    family_ = importlib.import_module(f"models.{s.family}").FAMILY
+    for mode in ("full", "lora"):
+        if mode == "lora":
+            deep.requires_grad_(False)
+            for p in models.add_lora(deep, 32, 64, None):
+                p.data = p.data.to(torch.bfloat16)  # as block_activations: the autocast copies are a separate term
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, c, h // 2, w // 2, generator=g)
+        embeds = torch.randn(1, s.text_tokens, s.joint_dim, generator=g)
+        extra = torch.ones(1, s.text_tokens, dtype=torch.long) if s.extra is None else s.extra(1)
+        meter = SavedTensorMeter()
+        meter.param_ptrs = {p.untyped_storage().data_ptr() for p in deep.parameters()}
+        with (
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack),
+            torch.autocast("cpu", torch.bfloat16, mode == "lora"),
+        ):
+            out = family_.velocity(deep, x, torch.full((1,), 0.5), embeds, extra, None, 1.0)
+        del out
+        assert meter.peak > 0
+        assert activations(s, a, mode == "full", False, a["tokens"]) == meter.peak, mode
+
+
+def test_per_gpu_terms_and_fewest_gpus_against_a_hand_computation():
+    from benchmark.dry_run import activations, min_gpus, per_gpu
+
+    c = dict(params=1000, lora=10, root=100, unit=50, te=300, vae=20, act=400, act_gc=40)
+    total = lambda **kw: sum(per_gpu(c, **kw).values())  # noqa: E731
+    # LoRA, replicated: bf16 base 2000 + LoRA 16 x 10 + its bf16 copy 2 x 10 + activations 400 + text encoder 600 +
+    # VAE 40, whatever the ranks
+    for ranks in (1, 8):
+        assert total(ranks=ranks, fsdp=False, gc=False, full=False, text_encoder=True) == 3220
+    # full, FSDP over 8, checkpointed: 16 x 1000 / 8 + reference 2 x 1000 / 8 + gathered 2 (100 + 2 x 50) + their grads
+    # 2 (100 + 50) + activations 40 + VAE 40
+    assert total(ranks=8, fsdp=True, gc=True, full=True, text_encoder=False) == 2000 + 250 + 400 + 300 + 40 + 40
+    # full, replicated: + the bf16 compute copy, all weights (2000) or one block with checkpointing (100)
+    assert total(ranks=8, fsdp=False, gc=False, full=True, text_encoder=False) == 16000 + 2000 + 2000 + 400 + 40
+    assert total(ranks=8, fsdp=False, gc=True, full=True, text_encoder=False) == 16000 + 2000 + 100 + 40 + 40
+    # 18000 / n + 780 <= 3030 first at n = 8; without FSDP no rank count fits
+    assert min_gpus(c, budget=3030, fsdp=True, gc=True, full=True, text_encoder=False) == 8
+    assert min_gpus(c, budget=3029, fsdp=True, gc=True, full=True, text_encoder=False) == 9
+    assert min_gpus(c, budget=3030, fsdp=False, gc=True, full=True, text_encoder=False) is None
+
+    class S:
+        kinds = (("double", 0, 4), ("single", 0, 6))
+
+    a = dict(tokens=100, block_input=10, lora=dict(base=1000, blocks={("double", 0): 300, ("single", 0): 200}))
+    # 200 tokens = 2x: (1000 + 3 x 300 + 5 x 200) x 2; checkpointed: (outside 1000 - 500 + 10 blocks x 10 + 300) x 2
+    assert activations(S, a, False, False, 200) == 5800
+    assert activations(S, a, False, True, 200) == 1800
+
+
+def test_memory_table_bad_out_folder_exits_2_writing_nothing(tmp_path):
+    out = tmp_path / "missing" / "dry_run.md"
+    r = run_script(["benchmark/dry_run.py", "--memory-table", "--out", out], check=False, timeout=120)
+    assert r.returncode == 2 and not out.parent.exists()
+    assert r.stderr.strip().splitlines() == [f"--out {out}: the folder {out.parent} does not exist"]
+
+
+def test_full_size_configs_have_the_published_sizes():
+    """The configs the memory table uses, built on the meta device: Qwen-Image's 20,430,401,088 parameters are the
+    40.86 GB of its released bf16 safetensors; FLUX.2-dev is BFL's "32B", its Mistral-Small encoder "24B", Qwen2.5-VL-7B
+    the hub's 8.29B; SD3.5-M as the dry run built it for real (SD35_MEDIUM_PARAMS)."""
+    from benchmark.dry_run import SCALES, SD35_MEDIUM_PARAMS, component_params, model_counts
+
+    sd35, qwen, flux2 = SCALES
+    assert model_counts(sd35)["params"] == SD35_MEDIUM_PARAMS
+    assert model_counts(qwen)["params"] == 20_430_401_088
+    assert 32.0e9 < model_counts(flux2)["params"] < 32.5e9
+    assert round(component_params(qwen.text_encoder) / 1e9, 2) == 8.29
+    assert 23.5e9 < component_params(flux2.text_encoder) < 24.5e9
