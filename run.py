@@ -620,6 +620,15 @@ def check_integrations(args):
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for
 
 
+def lora_files(transformer) -> dict:
+    """The pipeline component each LoRA file of the export loads into -> its file name: LORA_WEIGHTS for `transformer`;
+    Wan2.2-A14B's low-noise expert (`wan.Experts`) gets its own file, which diffusers loads into `transformer_2` with
+    `load_lora_weights(folder, weight_name=..., load_into_transformer_2=True)` (WanLoraLoaderMixin, its keys prefixed
+    `transformer.` as the first file's)."""
+    names = getattr(transformer, "experts", None) or ["transformer"]
+    return {name: LORA_WEIGHTS if name == "transformer" else f"pytorch_lora_weights_{name}.safetensors" for name in names}
+
+
 CARD_ARGS = (
     "model",
     "reward",
@@ -670,14 +679,21 @@ def export_lora(
     try:
         tmp.mkdir(parents=True)
         params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        experts = getattr(transformer, "experts", None) or {"transformer": transformer}
         with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
-            state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-        type(pipe.pipe).save_lora_weights(
-            tmp, transformer_lora_layers=state, transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict()
-        )
+            states = {
+                k: {n: v.detach().cpu().clone() for n, v in get_peft_model_state_dict(m).items()} for k, m in experts.items()
+            }
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp / LORA_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
+        for name, file in lora_files(transformer).items():
+            type(pipe.pipe).save_lora_weights(
+                tmp,
+                transformer_lora_layers=states[name],
+                transformer_lora_adapter_metadata=experts[name].peft_config["default"].to_dict(),
+                weight_name=file,
+            )
+            os.chmod(tmp / file, 0o666 & ~umask)  # safetensors writes 0600; the export is meant to be shared, like the run
         if samples is None and logger is not None and "eval/images" in logger.last_images:
             samples = logger.last_images["eval/images"][0]
         if samples is not None:
@@ -720,9 +736,18 @@ def card_call(pipe, settings: dict) -> tuple:
 
 
 def lora_snippet(
-    pipe_class: str, model: str, lora_dir: str, setup: list, call: dict, output: str, gpu: bool = False, no_t5: bool = False
+    pipe_class: str,
+    model: str,
+    lora_dir: str,
+    setup: list,
+    call: dict,
+    output: str,
+    gpu: bool = False,
+    no_t5: bool = False,
+    files: Optional[dict] = None,
 ) -> str:
-    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`)."""
+    """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`).
+    `files`: `lora_files` of the trained transformer (None: the one file, into `transformer`)."""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
     load += ', dtype=torch.bfloat16).to("cuda")' if gpu else ")"
     code = "\n".join([*setup, "", *call.values()])
@@ -733,7 +758,13 @@ def lora_snippet(
         imports.append("from diffusers.utils import export_to_video")
     kwargs = ", ".join(f"{k}={v}" for k, v in call.items())
     save = 'export_to_video(videos[0], "sample.mp4", fps=16)' if output == "frames" else 'images[0].save("sample.png")'
-    lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+    loads = [
+        f"pipe.load_lora_weights({json.dumps(lora_dir)})"
+        if name == "transformer"
+        else f"pipe.load_lora_weights({json.dumps(lora_dir)}, weight_name={json.dumps(file)}, load_into_{name}=True)"
+        for name, file in (files or {"transformer": LORA_WEIGHTS}).items()
+    ]
+    lines = [*imports, f"pipe = {load}", *loads, *setup]
     lines += [
         'prompt = ["a red circle"]',
         f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
@@ -762,7 +793,8 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
     if hub:
         front.append(f"base_model: {model}")
     targets = ", ".join(config.get("lora_targets") or pipe.family.lora_targets)
-    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5)
+    files = lora_files(pipe.transformer)
+    snippet = lora_snippet(pipe_class, model, "<this folder>", *card_call(pipe, settings), gpu=hub, no_t5=no_t5, files=files)
     lines = front + [
         "---",
         "",

@@ -482,10 +482,12 @@ def test_family_flags_are_refused_in_one_line_before_anything_is_written(
 
 @pytest.fixture(scope="session")
 def wan22_dirs(family_dirs, tmp_path_factory):
-    """The tiny Wan marked as Wan2.2-A14B (a second expert below boundary_ratio 0.875) and as Wan2.2-TI2V (per-token
-    timesteps), as their released model_index.json say."""
+    """The tiny Wan made into Wan2.2-A14B (a second expert, other random weights, below boundary_ratio 0.875) and marked
+    as Wan2.2-TI2V (per-token timesteps), as their released model_index.json say."""
     import json
     import shutil
+
+    from diffusers import WanTransformer3DModel
 
     dirs = {}
     for name, extra in (
@@ -494,25 +496,97 @@ def wan22_dirs(family_dirs, tmp_path_factory):
     ):
         path = tmp_path_factory.mktemp("wan22") / name
         shutil.copytree(family_dirs("wan"), path)
-        if "transformer_2" in extra:
-            shutil.copytree(path / "transformer", path / "transformer_2")
+        if "transformer_2" in extra:  # the same config, its own weights: each expert's samples differ from the other's
+            torch.manual_seed(2)
+            WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(path / "transformer")).save_pretrained(
+                path / "transformer_2"
+            )
         index = json.loads((path / "model_index.json").read_text())
         (path / "model_index.json").write_text(json.dumps({**index, **extra}))
         dirs[name] = str(path)
     return dirs
 
 
-@pytest.mark.parametrize("variant, expected", [("a14b", "Wan2.2-A14B's second expert"), ("ti2v", "per-token timesteps")])
-def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs, tmp_path, capsys):
+def test_wan22_ti2v_is_refused_before_loading(wan22_dirs, tmp_path, capsys):
     from test_bad_inputs import TINY, assert_one_line, call
 
-    argv = [*TINY, "--model", wan22_dirs[variant], "--output-dir", str(tmp_path / "runs")]
-    assert_one_line(*call("nft", argv, capsys), expected)
+    argv = [*TINY, "--model", wan22_dirs["ti2v"], "--output-dir", str(tmp_path / "runs")]
+    assert_one_line(*call("nft", argv, capsys), "per-token timesteps")
     assert not (tmp_path / "runs").exists()
-    from diffusers import WanPipeline  # the folders are what the stock pipeline loads as Wan2.2
+    from diffusers import WanPipeline  # the folder is what the stock pipeline loads as Wan2.2-TI2V
 
-    pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
-    assert (pipe.transformer_2 is not None) == (variant == "a14b")
+    assert WanPipeline.from_pretrained(wan22_dirs["ti2v"]).config.expand_timesteps
+
+
+def load_a14b(wan22_dirs, guidance_scale_2=None):
+    return models.load_pipeline(
+        wan22_dirs["a14b"], CPU, resolution=FAMILIES["wan"][1], num_frames=FRAMES, guidance_scale_2=guidance_scale_2
+    )
+
+
+# (CFG scale, the low-noise expert's, steps): at 4 steps the timesteps are 1000, 900 | 750, 500 (shift 3), at 3 steps
+# 1000 | 857, 600: the boundary 875 falls between two steps, after the second or after the first
+A14B_CASES = {"cfg": (4.0, None, 4), "no_cfg": (1.0, None, 4), "guidance_scale_2": (4.0, 2.0, 4), "3_steps": (4.0, 2.0, 3)}
+
+
+@pytest.mark.parametrize("case", sorted(A14B_CASES))
+def test_wan22_a14b_sampler_matches_the_pipeline(case, wan22_dirs):
+    """Both experts, switched at boundary_ratio x 1000 with the second guidance scale on the low-noise one, equal
+    WanPipeline.__call__ called as the card says; the high-noise expert alone, or one guidance scale, does not."""
+    guidance, guidance_2, steps = A14B_CASES[case]
+    pipe = load_a14b(wan22_dirs, guidance_2)
+    assert isinstance(pipe.transformer, models.wan.Experts) and pipe.transformer.boundary == 875.0
+    setting = "cfg" if guidance > 1 else "no_cfg"
+    diff = compare_with_pipeline(pipe, pipe.pipe, "wan", setting, steps)
+    print(f"Wan2.2-A14B {case}: max abs difference {diff:.2e}")
+    assert diff <= FAMILIES["wan"][2]
+    noise = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = common.PromptEncoder(pipe).cond(PROMPTS[:2], guidance > 1)
+
+    def sample(transformer):
+        return common.sample(transformer, pipe.scheduler, cond, num_steps=steps, guidance_scale=guidance, noise=noise).latents
+
+    both = sample(pipe.transformer)
+    assert (both - sample(pipe.pipe.transformer)).abs().max() > 1e-3  # the low-noise expert was used
+    if guidance_2 is not None:
+        pipe.transformer.guidance_scale_2 = None
+        assert (both - sample(pipe.transformer)).abs().max() > 1e-3  # and guided at its own scale
+
+
+def test_wan22_a14b_rows_on_both_sides_of_the_boundary_take_their_own_expert(wan22_dirs):
+    """Training asks for per-sample times: a batch with rows on both sides of the boundary gives each row what its
+    expert (and its CFG scale) gives that row alone, gradients included."""
+    pipe = load_a14b(wan22_dirs, guidance_scale_2=2.0)
+    experts = pipe.transformer
+    params = models.add_lora(experts, 4, 8.0, None)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained-looking LoRA (B is 0 at init)
+        for p in params:
+            p.normal_(0, 0.1, generator=gen)
+    cond = common.PromptEncoder(pipe).cond(PROMPTS)
+    x = torch.randn(3, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.95, 0.5, 0.875])  # 950 -> transformer, 500 -> transformer_2, 875 (= boundary) -> transformer
+    with torch.enable_grad():
+        v = common.velocity(experts, x, sigma, cond, 4.0)
+        v.square().sum().backward()
+    grads = [p.grad.clone() for p in params]
+    names = [n for n, p in experts.named_parameters() if p.requires_grad]
+    assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"}
+    for p in params:
+        p.grad = None
+    for i, (expert, g) in enumerate([(experts.transformer, 4.0), (experts.transformer_2, 2.0), (experts.transformer, 4.0)]):
+        with torch.enable_grad():
+            alone = common.velocity(expert, x[i : i + 1], sigma[i : i + 1], cond[i : i + 1], g)
+            alone.square().sum().backward()
+        # rows 0 and 2 ran as a batch of 2: other kernel rounding than alone, times CFG 4 (measured 2.6e-6)
+        torch.testing.assert_close(v[i : i + 1], alone, rtol=0, atol=1e-5)
+    for name, p, g in zip(names, params, grads):  # the sum of the rows' gradients, in both experts (measured 1e-6 rel.)
+        assert g.abs().max() > 0 and (p.grad - g).abs().max() <= 1e-5 * g.abs().max(), name
+    with models.reference_model(experts):  # the reference model: both experts without their adapters
+        v_ref = common.velocity(experts, x, sigma, cond, 4.0)
+    base = load_a14b(wan22_dirs, guidance_scale_2=2.0).transformer
+    torch.testing.assert_close(v_ref, common.velocity(base, x, sigma, cond, 4.0), rtol=0, atol=1e-6)
+    assert (v_ref - v).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("family", ["chroma", "auraflow"])
