@@ -170,14 +170,14 @@ def load_algo(name: str):
     return module
 
 
-def train(algo: str, family: str, family_dirs, tmp_path):
+def train(algo: str, family: str, family_dirs, tmp_path, **overrides):
     """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline, the
-    algorithm's module)."""
+    run's Args). `overrides`: other Args fields (another folder of the family, more epochs, a resume)."""
     builder, pixels, _ = FAMILIES[family]
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
     module = load_algo(algo)
     per_algo = {"nft": dict(num_train_timesteps=1), "grpo": dict(grad_steps_per_epoch=1, num_sde_steps=1)}[algo]
-    args = module.Args(
+    fields = dict(
         model=family_dirs(builder),
         resolution=pixels,
         num_frames=frames(family),
@@ -192,8 +192,8 @@ def train(algo: str, family: str, family_dirs, tmp_path):
         train_prompts=str(tmp_path / "prompts.txt"),
         test_prompts=str(tmp_path / "prompts.txt"),
         output_dir=str(tmp_path / "runs"),
-        **per_algo,
     )
+    args = module.Args(**{**fields, **per_algo, **overrides})
     pipes, export = [], run.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
@@ -208,7 +208,7 @@ def train(algo: str, family: str, family_dirs, tmp_path):
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (tmp_path / "runs").iterdir() if args.resume is None else [Path(args.resume)]
     return run_dir, pipes[-1], args
 
 
@@ -587,6 +587,44 @@ def test_wan22_a14b_rows_on_both_sides_of_the_boundary_take_their_own_expert(wan
     base = load_a14b(wan22_dirs, guidance_scale_2=2.0).transformer
     torch.testing.assert_close(v_ref, common.velocity(base, x, sigma, cond, 4.0), rtol=0, atol=1e-6)
     assert (v_ref - v).abs().max() > 1e-3
+
+
+def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_exactly(wan22_dirs, family_dirs, tmp_path):
+    """NFT, one epoch on the tiny A14B: one LoRA set over both experts, each one's update non-zero; exported as two
+    diffusers files that WanPipeline loads (the second with load_into_transformer_2=True) and that then samples what we
+    sample; the card's snippet runs. Then 1 epoch + --resume for a second equals 2 epochs straight, bit for bit."""
+    from test_algos import assert_same_state
+
+    from run import load_checkpoint
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    a14b = dict(model=wan22_dirs["a14b"], num_train_timesteps=4)  # every step: both experts' times are trained
+    run_dir, trained, args = train("nft", "wan", family_dirs, tmp_path / "one", **a14b)
+    weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
+    for expert in ("transformer", "transformer_2"):
+        lora_b = [v for k, v in weights.items() if k.startswith(f"params/{expert}.blocks") and "lora_B" in k]
+        assert lora_b and any(v.abs().max() > 0 for v in lora_b), expert  # B starts at 0: non-zero is a trained update
+    files = run.lora_files(trained.transformer)
+    assert files == {"transformer": run.LORA_WEIGHTS, "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}
+    assert sorted(p.name for p in (run_dir / "lora").iterdir()) == sorted(["README.md", "samples.png", *files.values()])
+    stock = type(trained.pipe).from_pretrained(wan22_dirs["a14b"])
+    stock.set_progress_bar_config(disable=True)
+    without = compare_with_pipeline(trained, stock, "wan")
+    stock.load_lora_weights(str(run_dir / "lora"))
+    high_only = compare_with_pipeline(trained, stock, "wan")  # the low-noise expert's LoRA is still missing
+    stock.load_lora_weights(str(run_dir / "lora"), weight_name=files["transformer_2"], load_into_transformer_2=True)
+    diff = compare_with_pipeline(trained, stock, "wan")
+    print(
+        f"Wan2.2-A14B: exported LoRA in the stock pipeline {diff:.2e} (transformer only {high_only:.2e}, none {without:.2e})"
+    )
+    assert diff <= FAMILIES["wan"][2] + LORA_TOL < min(without, high_only)
+    card = run_card(run_dir, trained, args, tmp_path)
+    print(f"Wan2.2-A14B: the model card's snippet, max abs difference {card:.2e}")
+
+    straight, _, _ = train("nft", "wan", family_dirs, tmp_path / "two", **a14b, num_epochs=2)
+    resumed, _, _ = train("nft", "wan", family_dirs, tmp_path / "one", **a14b, resume=str(run_dir), num_epochs=2)
+    assert_same_state(load_checkpoint(straight), load_checkpoint(resumed), "nft")
 
 
 @pytest.mark.parametrize("family", ["chroma", "auraflow"])
