@@ -249,6 +249,8 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
     if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
         raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
+    if fields.get("guidance_scale_2") is not None and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
+        raise UserError("--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     check_device(args.device)
@@ -267,7 +269,9 @@ def check_args(args, fresh: bool = True):
     if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
         raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
     if family is not None and family.check is not None:
-        family.check(config, args)
+        family.check(config, args)  # Wan's checks --guidance-scale-2 against the folder (Wan2.2-A14B's second expert)
+    if fields.get("guidance_scale_2") is not None and config.get("_class_name") != "WanPipeline":
+        raise UserError(f"--guidance-scale-2 {args.guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
     if fresh:
         name = getattr(args, "exp_name", "x")
         # the run folder is <output-dir>/<reward>__<exp-name>__...: a separator or ".." would put it elsewhere

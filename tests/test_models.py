@@ -462,17 +462,21 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("hunyuan_video", "--guidance-scale 4 --negative-prompt blurry", "HunyuanVideo's guidance is an embedding"),
     ("hunyuan_video", "--num-frames 7", "--num-frames 7 must be 4 k + 1 (the VAE's temporal ratio 4)"),
     ("hunyuan_video", "--width 36", "width 36 must be a multiple of 8"),  # spatial ratio 4 x patch 2
+    ("wan", "--guidance-scale 4 --guidance-scale-2 2", "--guidance-scale-2 2.0: only Wan2.2-A14B has a second"),
+    ("sd3", "--guidance-scale 4 --guidance-scale-2 2", "--guidance-scale-2 2.0: only Wan2.2-A14B has a second"),
+    ("a14b", "--guidance-scale-2 2", "--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1"),
+    ("a14b_without_expert", "", "boundary_ratio 0.875 needs a second expert transformer_2 (WanTransformer3DModel)"),
 ]
 
 
 @pytest.mark.parametrize("model, flags, expected", FAMILY_BAD_INPUTS)
 def test_family_flags_are_refused_in_one_line_before_anything_is_written(
-    model, flags, expected, family_dirs, distilled_klein, tmp_path, capsys
+    model, flags, expected, family_dirs, distilled_klein, wan22_dirs, tmp_path, capsys
 ):
     from test_bad_inputs import TINY, assert_one_line, call
 
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
-    path = distilled_klein if model == "distilled_klein" else family_dirs(model)
+    path = {"distilled_klein": distilled_klein, **wan22_dirs}.get(model) or family_dirs(model)
     prompts = ["--train-prompts", str(tmp_path / "prompts.txt"), "--test-prompts", str(tmp_path / "prompts.txt")]
     argv = [*TINY, "--model", path, "--reward", "jpeg_compressibility", *prompts, "--output-dir", str(tmp_path / "runs")]
     rc, err = call("nft", argv + flags.split(), capsys)
@@ -483,7 +487,7 @@ def test_family_flags_are_refused_in_one_line_before_anything_is_written(
 @pytest.fixture(scope="session")
 def wan22_dirs(family_dirs, tmp_path_factory):
     """The tiny Wan made into Wan2.2-A14B (a second expert, other random weights, below boundary_ratio 0.875) and marked
-    as Wan2.2-TI2V (per-token timesteps), as their released model_index.json say."""
+    as Wan2.2-TI2V (per-token timesteps), as their released model_index.json say; an A14B index without its expert."""
     import json
     import shutil
 
@@ -493,6 +497,7 @@ def wan22_dirs(family_dirs, tmp_path_factory):
     for name, extra in (
         ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}),
         ("ti2v", {"expand_timesteps": True}),
+        ("a14b_without_expert", {"boundary_ratio": 0.875}),  # WanPipeline would fail at the first low-noise step
     ):
         path = tmp_path_factory.mktemp("wan22") / name
         shutil.copytree(family_dirs("wan"), path)
@@ -599,7 +604,8 @@ def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_e
 
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
-    a14b = dict(model=wan22_dirs["a14b"], num_train_timesteps=4)  # every step: both experts' times are trained
+    # every step trained: both experts' times; the low-noise expert at its own CFG scale (the card passes it)
+    a14b = dict(model=wan22_dirs["a14b"], num_train_timesteps=4, guidance_scale_2=2.0)
     run_dir, trained, args = train("nft", "wan", family_dirs, tmp_path / "one", **a14b)
     weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
     for expert in ("transformer", "transformer_2"):
