@@ -177,6 +177,12 @@ def check(config, args):
             f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert "
             f"(boundary_ratio in model_index.json)"
         )
+    if not local and "i2v" in name.replace(
+        "ti2v", ""
+    ):  # HUB_NAMES maps every "wan2" id to WanPipeline; its folders name their class
+        raise common.UserError(
+            f"model {args.model!r}: Wan's image-to-video checkpoints (WanImageToVideoPipeline) are not supported"
+        )
     if config.get("expand_timesteps") if local else "ti2v" in name:
         raise common.UserError(f"model {args.model!r}: Wan2.2-TI2V's per-token timesteps (expand_timesteps) are not supported")
     try:

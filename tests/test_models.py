@@ -3,6 +3,7 @@ our ODE sampler with the family adapter equals `Pipeline.__call__` with the same
 where the family has it); NFT and GRPO train a LoRA on it; the exported LoRA loads into the stock pipeline."""
 
 import importlib.util
+import re
 import signal
 import types
 from pathlib import Path
@@ -521,6 +522,25 @@ def test_wan22_ti2v_is_refused_before_loading(wan22_dirs, tmp_path, capsys):
     from diffusers import WanPipeline  # the folder is what the stock pipeline loads as Wan2.2-TI2V
 
     assert WanPipeline.from_pretrained(wan22_dirs["ti2v"]).config.expand_timesteps
+
+
+@pytest.mark.parametrize(
+    "hub_id, guidance_scale_2, expected",
+    [
+        ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", 3.0, None),
+        ("Wan-AI/Wan2.1-T2V-14B-Diffusers", 3.0, "only Wan2.2-A14B has a second (low-noise) expert"),
+        ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", None, "image-to-video checkpoints (WanImageToVideoPipeline)"),
+        ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", None, "Wan2.2-TI2V's per-token timesteps"),
+    ],
+)
+def test_wan_hub_ids_are_checked_by_name_before_download(hub_id, guidance_scale_2, expected):
+    args = types.SimpleNamespace(model=hub_id, guidance_scale_2=guidance_scale_2, num_frames=None)
+    assert models.pipeline_class(hub_id) == "WanPipeline"
+    if expected is None:
+        models.wan.check({"_class_name": "WanPipeline"}, args)
+    else:
+        with pytest.raises(common.UserError, match=re.escape(expected)):
+            models.wan.check({"_class_name": "WanPipeline"}, args)
 
 
 def load_a14b(wan22_dirs, guidance_scale_2=None):
