@@ -8,9 +8,10 @@ timestep = 1000 sigma, static shift (3 at 480p, 5 at 720p), two-pass CFG (as the
 scheduler: we sample with FlowMatchEuler at its `flow_shift`. Frames per video: --num-frames, default 33 (Wan's own
 is 81; 4k + 1 for the released VAE's temporal factor 4); size: WanPipeline's default 480 x 832.
 Wan2.2-A14B (a second expert `transformer_2` below `boundary_ratio`): `load_pipeline` hands the sampler and the
-algorithms one `Experts` module that switches between the two by timestep, as `WanPipeline.__call__` does. Refused
-before loading (`check`): Wan2.2-TI2V-5B's per-token timesteps (`expand_timesteps`; its VAE and image conditioning
-are untested here).
+algorithms one `Experts` module that switches between the two by timestep, as `WanPipeline.__call__` does.
+Wan2.2-TI2V-5B (`expand_timesteps`): text-to-video gives every token the step's timestep (the pipeline's mask is all
+ones without an image), which is the same computation as one timestep per sample, so we pass that (equal to the
+pipeline on the tiny model); its own VAE (48 channels, 16x, residual) is read from its config, untested here.
 """
 
 import copy
@@ -139,7 +140,7 @@ class Experts(torch.nn.Module):
 
 
 def experts(pipe, scheduler, guidance_scale_2: Optional[float] = None):
-    """The module the sampler calls: Wan2.2-A14B's `Experts`, or the one transformer (Wan2.1, Wan2.2-TI2V)."""
+    """The module the sampler calls: Wan2.2-A14B's `Experts`, or the one transformer (Wan2.1, Wan2.2-TI2V-5B)."""
     if pipe.config.get("boundary_ratio") is None:
         if guidance_scale_2 is not None:
             raise common.UserError(
@@ -159,9 +160,8 @@ def latent_shape(pipe, height, width, num_frames):
 
 
 def check(config, args):
-    """Wan2.2-A14B's folder holds its second expert, and only it takes --guidance-scale-2; Wan2.2-TI2V's per-token
-    timesteps are refused (a hub id: by its name); --num-frames against the VAE's temporal factor, from a local
-    folder's configs before loading."""
+    """Wan2.2-A14B's folder holds its second expert, and only it takes --guidance-scale-2; image-to-video hub ids are
+    refused by name; --num-frames against the VAE's temporal factor, from a local folder's configs before loading."""
     local = (Path(args.model).expanduser() / "model_index.json").is_file()
     name = args.model.lower()
     two_experts = config.get("boundary_ratio") is not None if local else "a14b" in name
@@ -177,14 +177,11 @@ def check(config, args):
             f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert "
             f"(boundary_ratio in model_index.json)"
         )
-    if not local and "i2v" in name.replace(
-        "ti2v", ""
-    ):  # HUB_NAMES maps every "wan2" id to WanPipeline; its folders name their class
+    # HUB_NAMES maps every "wan2" hub id to WanPipeline; a folder names its class (check_model_folder)
+    if not local and "i2v" in name.replace("ti2v", ""):
         raise common.UserError(
             f"model {args.model!r}: Wan's image-to-video checkpoints (WanImageToVideoPipeline) are not supported"
         )
-    if config.get("expand_timesteps") if local else "ti2v" in name:
-        raise common.UserError(f"model {args.model!r}: Wan2.2-TI2V's per-token timesteps (expand_timesteps) are not supported")
     try:
         vae = json.loads((Path(args.model).expanduser() / "vae" / "config.json").read_text())
     except (OSError, ValueError):
