@@ -200,7 +200,7 @@ def load_pipeline(
     pipe = pipe.to(device)
     scheduler = family.scheduler(pipe) if family.scheduler else pipe.scheduler
     if family is wan.FAMILY:
-        transformer = wan.experts(pipe, scheduler, guidance_scale_2)
+        transformer = wan.sampled_transformer(pipe, scheduler, guidance_scale_2)
     elif guidance_scale_2 is not None:
         raise UserError(f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
     else:

@@ -101,20 +101,15 @@ class Experts(torch.nn.Module):
             return expert(
                 hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False
             )
-        parts = [
-            (
-                rows,
-                expert(
-                    hidden_states=hidden_states[rows],
-                    timestep=timestep[rows],
-                    encoder_hidden_states=encoder_hidden_states[rows],
-                    return_dict=False,
-                )[0],
-            )
-            for expert, rows in ((self.transformer, high), (self.transformer_2, ~high))
-        ]
-        out = parts[0][1].new_empty((hidden_states.shape[0], *parts[0][1].shape[1:]))
-        for rows, v in parts:
+        out = None
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            v = expert(
+                hidden_states=hidden_states[rows],
+                timestep=timestep[rows],
+                encoder_hidden_states=encoder_hidden_states[rows],
+                return_dict=False,
+            )[0]
+            out = v.new_empty((len(high), *v.shape[1:])) if out is None else out
             out[rows] = v
         return (out,)
 
@@ -139,7 +134,7 @@ class Experts(torch.nn.Module):
             expert.compile_repeated_blocks(*args, **kwargs)
 
 
-def experts(pipe, scheduler, guidance_scale_2: Optional[float] = None):
+def sampled_transformer(pipe, scheduler, guidance_scale_2: Optional[float] = None):
     """The module the sampler calls: Wan2.2-A14B's `Experts`, or the one transformer (Wan2.1, Wan2.2-TI2V-5B)."""
     if pipe.config.get("boundary_ratio") is None:
         if guidance_scale_2 is not None:
