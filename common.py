@@ -114,8 +114,9 @@ def register(family: Family):
 
 
 def family_of(transformer) -> Family:
-    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays)."""
-    name = type(transformer).__name__
+    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays); a module
+    that holds several of a family's transformers (Wan2.2-A14B's two experts) names their class in `transformer_class`."""
+    name = getattr(transformer, "transformer_class", None) or type(transformer).__name__
     for family in FAMILIES.values():
         if family.transformer == name:
             return family

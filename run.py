@@ -254,6 +254,8 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
     if fields.get("negative_prompt") and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
         raise UserError("--negative-prompt is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
+    if fields.get("guidance_scale_2") is not None and max(args.guidance_scale, fields.get("eval_guidance_scale") or 0) <= 1:
+        raise UserError("--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
     if fields.get("full_finetune"):
@@ -279,7 +281,9 @@ def check_args(args, fresh: bool = True):
     if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
         raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
     if family is not None and family.check is not None:
-        family.check(config, args)
+        family.check(config, args)  # Wan's checks --guidance-scale-2 against the folder (Wan2.2-A14B's second expert)
+    if fields.get("guidance_scale_2") is not None and config.get("_class_name") != "WanPipeline":
+        raise UserError(f"--guidance-scale-2 {args.guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
     if fresh:
         name = getattr(args, "exp_name", "x")
         # the run folder is <output-dir>/<reward>__<exp-name>__...: a separator or ".." would put it elsewhere
@@ -453,7 +457,7 @@ def upgrade_argv(argv: Sequence[str], args_class, warn: bool = True) -> list:
     (`RENAMED_ARGS`, `--no-<flag>` too; `DECAY_STRINGS` as their four flags), and with `warn` one line on stderr per
     old name. An old name and its new name given together, or a bad decay string: one line and exit code 2."""
     fields = {f.name for f in dataclasses.fields(args_class)}
-    algo = Path(inspect.getfile(args_class)).stem
+    algo = next(f.default for f in dataclasses.fields(args_class) if f.name == "exp_name")  # the script's name
     renames, decay_strings = RENAMED_ARGS.get(algo, {}), DECAY_STRINGS.get(algo, ())
     out, renamed, direct = [], {}, set()
     tokens = list(argv)
@@ -740,6 +744,15 @@ def export_dir(run_dir: Path, args) -> Path:
     return Path(run_dir) / EXPORT_NAMES[bool(getattr(args, "full_finetune", False))]
 
 
+def lora_files(transformer) -> dict:
+    """The pipeline component each LoRA file of the export loads into -> its file name: LORA_WEIGHTS for `transformer`;
+    Wan2.2-A14B's low-noise expert (`wan.Experts`) gets its own file, which diffusers loads into `transformer_2` with
+    `load_lora_weights(folder, weight_name=..., load_into_transformer_2=True)` (WanLoraLoaderMixin, its keys prefixed
+    `transformer.` as the first file's)."""
+    names = getattr(transformer, "experts", None) or ["transformer"]
+    return {name: LORA_WEIGHTS if name == "transformer" else f"pytorch_lora_weights_{name}.safetensors" for name in names}
+
+
 CARD_ARGS = (
     "model",
     "reward",
@@ -793,16 +806,21 @@ def export_lora(
         tmp.mkdir(parents=True)
         full = getattr(args, "full_finetune", False)
         params = list(transformer.parameters()) if full else [p for n, p in transformer.named_parameters() if "lora_" in n]
+        experts = getattr(transformer, "experts", None) or {"transformer": transformer}
         with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
             if full:
                 transformer.save_pretrained(tmp)
             else:
-                state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
-        if not full:
+                states = {
+                    k: {n: v.detach().cpu().clone() for n, v in get_peft_model_state_dict(m).items()}
+                    for k, m in experts.items()
+                }
+        for name, file in {} if full else lora_files(transformer).items():
             type(pipe.pipe).save_lora_weights(
                 tmp,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+                transformer_lora_layers=states[name],
+                transformer_lora_adapter_metadata=experts[name].peft_config["default"].to_dict(),
+                weight_name=file,
             )
         umask = os.umask(0)
         os.umask(umask)
@@ -859,9 +877,11 @@ def lora_snippet(
     gpu: bool = False,
     no_t5: bool = False,
     transformer_class: Optional[str] = None,
+    files: Optional[dict] = None,
 ) -> str:
     """The lines that load an exported LoRA into a stock diffusers pipeline and sample as training did (`card_call`).
-    With `transformer_class` (--full-finetune), `lora_dir` is a transformer folder loaded in place of the base's."""
+    With `transformer_class` (--full-finetune), `lora_dir` is a transformer folder loaded in place of the base's.
+    `files`: `lora_files` of the trained transformer (None: the one file, into `transformer`)."""
     dtype = ", dtype=torch.bfloat16" if gpu else ""
     load = f"{pipe_class}.from_pretrained({json.dumps(model)}" + (", text_encoder_3=None, tokenizer_3=None" if no_t5 else "")
     load += ", transformer=transformer" if transformer_class else ""
@@ -879,7 +899,13 @@ def lora_snippet(
         lines = [*imports, f"transformer = {transformer_class}.from_pretrained({json.dumps(lora_dir)}{dtype})"]
         lines += [f"pipe = {load}", *setup]
     else:
-        lines = [*imports, f"pipe = {load}", f"pipe.load_lora_weights({json.dumps(lora_dir)})", *setup]
+        loads = [
+            f"pipe.load_lora_weights({json.dumps(lora_dir)})"
+            if name == "transformer"
+            else f"pipe.load_lora_weights({json.dumps(lora_dir)}, weight_name={json.dumps(file)}, load_into_{name}=True)"
+            for name, file in (files or {"transformer": LORA_WEIGHTS}).items()
+        ]
+        lines = [*imports, f"pipe = {load}", *loads, *setup]
     lines += [
         'prompt = ["a red circle"]',
         f"{'videos' if output == 'frames' else 'images'} = pipe(prompt=prompt, {kwargs}).{output}",
@@ -920,6 +946,7 @@ def model_card(pipe, args, algo_doc: str, epoch: int, evals: dict, weights_name:
         gpu=hub,
         no_t5=no_t5,
         transformer_class=transformer_class,
+        files=None if full else lora_files(pipe.transformer),
     )
     if full:
         what = f"A fine-tuned transformer ({transformer_class})"

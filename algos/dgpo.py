@@ -109,6 +109,8 @@ class Args:
     """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
     guidance_scale: float = 1.0
     """CFG scale of the rollout (training forwards use none)"""
+    guidance_scale_2: Optional[float] = None
+    """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
     """rollout dynamics"""
     eta: float = 0.7
@@ -367,6 +369,7 @@ def main(args: Args):
         height=args.height,
         width=args.width,
         num_frames=args.num_frames,
+        guidance_scale_2=args.guidance_scale_2,
     )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank

@@ -150,13 +150,15 @@ def load_pipeline(
     height: Optional[int] = None,
     width: Optional[int] = None,
     num_frames: Optional[int] = None,
+    guidance_scale_2: Optional[float] = None,
 ):
     """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
 
     The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
     `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
     `num_frames` set the returned `Model.latent_shape`, what the sampler draws, in the family's layout; the
-    resolution-dependent shift of some families follows from it (`Model.sigmas`).
+    resolution-dependent shift of some families follows from it (`Model.sigmas`). Wan2.2-A14B's two experts are one
+    `Model.transformer` (`wan.Experts`), its low-noise expert guided at `guidance_scale_2` (None: the caller's scale).
     """
     import transformers
 
@@ -198,7 +200,14 @@ def load_pipeline(
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
     pipe = pipe.to(device)
-    return Model(pipe, family, pipe.transformer, family.scheduler(pipe) if family.scheduler else pipe.scheduler, tuple(shape))
+    scheduler = family.scheduler(pipe) if family.scheduler else pipe.scheduler
+    if family is wan.FAMILY:
+        transformer = wan.sampled_transformer(pipe, scheduler, guidance_scale_2)
+    elif guidance_scale_2 is not None:
+        raise UserError(f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
+    else:
+        transformer = pipe.transformer
+    return Model(pipe, family, transformer, scheduler, tuple(shape))
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequence[str]]) -> list:

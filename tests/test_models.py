@@ -3,6 +3,7 @@ our ODE sampler with the family adapter equals `Pipeline.__call__` with the same
 where the family has it); NFT and GRPO train a LoRA on it; the exported LoRA loads into the stock pipeline."""
 
 import importlib.util
+import re
 import signal
 import types
 from pathlib import Path
@@ -170,14 +171,14 @@ def load_algo(name: str):
     return module
 
 
-def train(algo: str, family: str, family_dirs, tmp_path):
+def train(algo: str, family: str, family_dirs, tmp_path, **overrides):
     """One epoch of `algo` on the family's tiny pipeline, in-process; returns (run folder, the trained pipeline, the
-    algorithm's module)."""
+    run's Args). `overrides`: other Args fields (another folder of the family, more epochs, a resume)."""
     builder, pixels, _ = FAMILIES[family]
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
     module = load_algo(algo)
     per_algo = {"nft": dict(num_train_timesteps=1), "grpo": dict(grad_steps_per_epoch=1, num_sde_steps=1)}[algo]
-    args = module.Args(
+    fields = dict(
         model=family_dirs(builder),
         resolution=pixels,
         num_frames=frames(family),
@@ -192,8 +193,8 @@ def train(algo: str, family: str, family_dirs, tmp_path):
         train_prompts=str(tmp_path / "prompts.txt"),
         test_prompts=str(tmp_path / "prompts.txt"),
         output_dir=str(tmp_path / "runs"),
-        **per_algo,
     )
+    args = module.Args(**{**fields, **per_algo, **overrides})
     pipes, export = [], run.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
@@ -208,7 +209,7 @@ def train(algo: str, family: str, family_dirs, tmp_path):
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (tmp_path / "runs").iterdir() if args.resume is None else [Path(args.resume)]
     return run_dir, pipes[-1], args
 
 
@@ -462,17 +463,22 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("hunyuan_video", "--guidance-scale 4 --negative-prompt blurry", "HunyuanVideo's guidance is an embedding"),
     ("hunyuan_video", "--num-frames 7", "--num-frames 7 must be 4 k + 1 (the VAE's temporal ratio 4)"),
     ("hunyuan_video", "--width 36", "width 36 must be a multiple of 8"),  # spatial ratio 4 x patch 2
+    ("wan", "--guidance-scale 4 --guidance-scale-2 2", "--guidance-scale-2 2.0: only Wan2.2-A14B has a second"),
+    ("sd3", "--guidance-scale 4 --guidance-scale-2 2", "--guidance-scale-2 2.0: only Wan2.2-A14B has a second"),
+    ("a14b", "--guidance-scale-2 2", "--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1"),
+    ("a14b", "--full-finetune", "--full-finetune of Wan2.2-A14B's two experts is not supported"),
+    ("a14b_without_expert", "", "boundary_ratio 0.875 needs a second expert transformer_2 (WanTransformer3DModel)"),
 ]
 
 
 @pytest.mark.parametrize("model, flags, expected", FAMILY_BAD_INPUTS)
 def test_family_flags_are_refused_in_one_line_before_anything_is_written(
-    model, flags, expected, family_dirs, distilled_klein, tmp_path, capsys
+    model, flags, expected, family_dirs, distilled_klein, wan22_dirs, tmp_path, capsys
 ):
     from test_bad_inputs import TINY, assert_one_line, call
 
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
-    path = distilled_klein if model == "distilled_klein" else family_dirs(model)
+    path = {"distilled_klein": distilled_klein, **wan22_dirs}.get(model) or family_dirs(model)
     prompts = ["--train-prompts", str(tmp_path / "prompts.txt"), "--test-prompts", str(tmp_path / "prompts.txt")]
     argv = [*TINY, "--model", path, "--reward", "jpeg_compressibility", *prompts, "--output-dir", str(tmp_path / "runs")]
     rc, err = call("nft", argv + flags.split(), capsys)
@@ -482,37 +488,186 @@ def test_family_flags_are_refused_in_one_line_before_anything_is_written(
 
 @pytest.fixture(scope="session")
 def wan22_dirs(family_dirs, tmp_path_factory):
-    """The tiny Wan marked as Wan2.2-A14B (a second expert below boundary_ratio 0.875) and as Wan2.2-TI2V (per-token
-    timesteps), as their released model_index.json say."""
+    """The tiny Wan made into Wan2.2-A14B (a second expert, other random weights, below boundary_ratio 0.875) and marked
+    as Wan2.2-TI2V (per-token timesteps), as their released model_index.json say; an A14B index without its expert."""
     import json
     import shutil
+
+    from diffusers import WanTransformer3DModel
 
     dirs = {}
     for name, extra in (
         ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}),
         ("ti2v", {"expand_timesteps": True}),
+        ("a14b_without_expert", {"boundary_ratio": 0.875}),  # WanPipeline would fail at the first low-noise step
     ):
         path = tmp_path_factory.mktemp("wan22") / name
         shutil.copytree(family_dirs("wan"), path)
-        if "transformer_2" in extra:
-            shutil.copytree(path / "transformer", path / "transformer_2")
+        if "transformer_2" in extra:  # the same config, its own weights: each expert's samples differ from the other's
+            torch.manual_seed(2)
+            WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(path / "transformer")).save_pretrained(
+                path / "transformer_2"
+            )
         index = json.loads((path / "model_index.json").read_text())
         (path / "model_index.json").write_text(json.dumps({**index, **extra}))
         dirs[name] = str(path)
     return dirs
 
 
-@pytest.mark.parametrize("variant, expected", [("a14b", "Wan2.2-A14B's second expert"), ("ti2v", "per-token timesteps")])
-def test_wan22_variants_are_refused_before_loading(variant, expected, wan22_dirs, tmp_path, capsys):
-    from test_bad_inputs import TINY, assert_one_line, call
+@pytest.mark.parametrize("setting", ["cfg", "no_cfg", "non_square"])
+def test_wan22_ti2v_sampler_matches_the_pipeline(setting, wan22_dirs):
+    """WanPipeline with expand_timesteps gives every token the step's timestep; one per sample, as we pass it, is the
+    same computation: equal (measured 1e-6)."""
+    from diffusers import WanPipeline
 
-    argv = [*TINY, "--model", wan22_dirs[variant], "--output-dir", str(tmp_path / "runs")]
-    assert_one_line(*call("nft", argv, capsys), expected)
-    assert not (tmp_path / "runs").exists()
-    from diffusers import WanPipeline  # the folders are what the stock pipeline loads as Wan2.2
+    assert WanPipeline.from_pretrained(wan22_dirs["ti2v"]).config.expand_timesteps  # the stock pipeline's TI2V path
+    pixels = FAMILIES["wan"][1]
+    wide = 2 * pixels if setting == "non_square" else None
+    pipe = models.load_pipeline(wan22_dirs["ti2v"], CPU, resolution=pixels, width=wide, num_frames=FRAMES)
+    diff = compare_with_pipeline(pipe, pipe.pipe, "wan", setting)
+    print(f"Wan2.2-TI2V {setting}: max abs difference {diff:.2e}")
+    assert diff <= FAMILIES["wan"][2]
 
-    pipe = WanPipeline.from_pretrained(wan22_dirs[variant])
-    assert (pipe.transformer_2 is not None) == (variant == "a14b")
+
+def test_wan22_ti2v_lora_loads_in_the_pipeline_and_the_card_runs(wan22_dirs, family_dirs, tmp_path):
+    run_dir, trained, args = train("nft", "wan", family_dirs, tmp_path, model=wan22_dirs["ti2v"])
+    stock = type(trained.pipe).from_pretrained(wan22_dirs["ti2v"])
+    stock.set_progress_bar_config(disable=True)
+    without = compare_with_pipeline(trained, stock, "wan")
+    stock.load_lora_weights(str(run_dir / "lora"))
+    diff = compare_with_pipeline(trained, stock, "wan")
+    print(f"Wan2.2-TI2V: exported LoRA in the stock pipeline {diff:.2e} (without it {without:.2e})")
+    assert diff <= FAMILIES["wan"][2] + LORA_TOL < without
+    print(f"Wan2.2-TI2V: the model card's snippet, max abs difference {run_card(run_dir, trained, args, tmp_path):.2e}")
+
+
+@pytest.mark.parametrize(
+    "hub_id, guidance_scale_2, expected",
+    [
+        ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", 3.0, None),
+        ("Wan-AI/Wan2.1-T2V-14B-Diffusers", 3.0, "only Wan2.2-A14B has a second (low-noise) expert"),
+        ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", None, "image-to-video checkpoints (WanImageToVideoPipeline)"),
+        ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", None, None),
+    ],
+)
+def test_wan_hub_ids_are_checked_by_name_before_download(hub_id, guidance_scale_2, expected):
+    args = types.SimpleNamespace(model=hub_id, guidance_scale_2=guidance_scale_2, num_frames=None)
+    assert models.pipeline_class(hub_id) == "WanPipeline"
+    if expected is None:
+        models.wan.check({"_class_name": "WanPipeline"}, args)
+    else:
+        with pytest.raises(common.UserError, match=re.escape(expected)):
+            models.wan.check({"_class_name": "WanPipeline"}, args)
+
+
+def load_a14b(wan22_dirs, guidance_scale_2=None):
+    return models.load_pipeline(
+        wan22_dirs["a14b"], CPU, resolution=FAMILIES["wan"][1], num_frames=FRAMES, guidance_scale_2=guidance_scale_2
+    )
+
+
+# (CFG scale, the low-noise expert's, steps): at 4 steps the timesteps are 1000, 900 | 750, 500 (shift 3), at 3 steps
+# 1000 | 857, 600: the boundary 875 falls between two steps, after the second or after the first
+A14B_CASES = {"cfg": (4.0, None, 4), "no_cfg": (1.0, None, 4), "guidance_scale_2": (4.0, 2.0, 4), "3_steps": (4.0, 2.0, 3)}
+
+
+@pytest.mark.parametrize("case", sorted(A14B_CASES))
+def test_wan22_a14b_sampler_matches_the_pipeline(case, wan22_dirs):
+    """Both experts, switched at boundary_ratio x 1000 with the second guidance scale on the low-noise one, equal
+    WanPipeline.__call__ called as the card says; the high-noise expert alone, or one guidance scale, does not."""
+    guidance, guidance_2, steps = A14B_CASES[case]
+    pipe = load_a14b(wan22_dirs, guidance_2)
+    assert isinstance(pipe.transformer, models.wan.Experts) and pipe.transformer.boundary == 875.0
+    setting = "cfg" if guidance > 1 else "no_cfg"
+    diff = compare_with_pipeline(pipe, pipe.pipe, "wan", setting, steps)
+    print(f"Wan2.2-A14B {case}: max abs difference {diff:.2e}")
+    assert diff <= FAMILIES["wan"][2]
+    noise = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = common.PromptEncoder(pipe).cond(PROMPTS[:2], guidance > 1)
+
+    def sample(transformer):
+        return common.sample(transformer, pipe.scheduler, cond, num_steps=steps, guidance_scale=guidance, noise=noise).latents
+
+    both = sample(pipe.transformer)
+    assert (both - sample(pipe.pipe.transformer)).abs().max() > 1e-3  # the low-noise expert was used
+    if guidance_2 is not None:
+        pipe.transformer.guidance_scale_2 = None
+        assert (both - sample(pipe.transformer)).abs().max() > 1e-3  # and guided at its own scale
+
+
+def test_wan22_a14b_rows_on_both_sides_of_the_boundary_take_their_own_expert(wan22_dirs):
+    """Training asks for per-sample times: a batch with rows on both sides of the boundary gives each row what its
+    expert (and its CFG scale) gives that row alone, gradients included."""
+    pipe = load_a14b(wan22_dirs, guidance_scale_2=2.0)
+    experts = pipe.transformer
+    params = models.add_lora(experts, 4, 8.0, None)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained-looking LoRA (B is 0 at init)
+        for p in params:
+            p.normal_(0, 0.1, generator=gen)
+    cond = common.PromptEncoder(pipe).cond(PROMPTS)
+    x = torch.randn(3, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.95, 0.5, 0.875])  # 950 -> transformer, 500 -> transformer_2, 875 (= boundary) -> transformer
+    with torch.enable_grad():
+        v = common.velocity(experts, x, sigma, cond, 4.0)
+        v.square().sum().backward()
+    grads = [p.grad.clone() for p in params]
+    names = [n for n, p in experts.named_parameters() if p.requires_grad]
+    assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"}
+    for p in params:
+        p.grad = None
+    for i, (expert, g) in enumerate([(experts.transformer, 4.0), (experts.transformer_2, 2.0), (experts.transformer, 4.0)]):
+        with torch.enable_grad():
+            alone = common.velocity(expert, x[i : i + 1], sigma[i : i + 1], cond[i : i + 1], g)
+            alone.square().sum().backward()
+        # rows 0 and 2 ran as a batch of 2: other kernel rounding than alone, times CFG 4 (measured 2.6e-6)
+        torch.testing.assert_close(v[i : i + 1], alone, rtol=0, atol=1e-5)
+    for name, p, g in zip(names, params, grads):  # the sum of the rows' gradients, in both experts (measured 1e-6 rel.)
+        assert g.abs().max() > 0 and (p.grad - g).abs().max() <= 1e-5 * g.abs().max(), name
+    with models.reference_model(experts):  # the reference model: both experts without their adapters
+        v_ref = common.velocity(experts, x, sigma, cond, 4.0)
+    base = load_a14b(wan22_dirs, guidance_scale_2=2.0).transformer
+    torch.testing.assert_close(v_ref, common.velocity(base, x, sigma, cond, 4.0), rtol=0, atol=1e-6)
+    assert (v_ref - v).abs().max() > 1e-3
+
+
+def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_exactly(wan22_dirs, family_dirs, tmp_path):
+    """NFT, one epoch on the tiny A14B: one LoRA set over both experts, each one's update non-zero; exported as two
+    diffusers files that WanPipeline loads (the second with load_into_transformer_2=True) and that then samples what we
+    sample; the card's snippet runs. Then 1 epoch + --resume for a second equals 2 epochs straight, bit for bit."""
+    from test_algos import assert_same_state
+
+    from run import load_checkpoint
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    # every step trained: both experts' times; the low-noise expert at its own CFG scale (the card passes it)
+    a14b = dict(model=wan22_dirs["a14b"], num_train_timesteps=4, guidance_scale_2=2.0)
+    run_dir, trained, args = train("nft", "wan", family_dirs, tmp_path / "one", **a14b)
+    weights = load_file(run_dir / "checkpoints" / "last" / "weights.safetensors")
+    for expert in ("transformer", "transformer_2"):
+        lora_b = [v for k, v in weights.items() if k.startswith(f"params/{expert}.blocks") and "lora_B" in k]
+        assert lora_b and any(v.abs().max() > 0 for v in lora_b), expert  # B starts at 0: non-zero is a trained update
+    files = run.lora_files(trained.transformer)
+    assert files == {"transformer": run.LORA_WEIGHTS, "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}
+    assert sorted(p.name for p in (run_dir / "lora").iterdir()) == sorted(["README.md", "samples.png", *files.values()])
+    stock = type(trained.pipe).from_pretrained(wan22_dirs["a14b"])
+    stock.set_progress_bar_config(disable=True)
+    without = compare_with_pipeline(trained, stock, "wan")
+    stock.load_lora_weights(str(run_dir / "lora"))
+    high_only = compare_with_pipeline(trained, stock, "wan")  # the low-noise expert's LoRA is still missing
+    stock.load_lora_weights(str(run_dir / "lora"), weight_name=files["transformer_2"], load_into_transformer_2=True)
+    diff = compare_with_pipeline(trained, stock, "wan")
+    print(
+        f"Wan2.2-A14B: exported LoRA in the stock pipeline {diff:.2e} (transformer only {high_only:.2e}, none {without:.2e})"
+    )
+    assert diff <= FAMILIES["wan"][2] + LORA_TOL < min(without, high_only)
+    card = run_card(run_dir, trained, args, tmp_path)
+    print(f"Wan2.2-A14B: the model card's snippet, max abs difference {card:.2e}")
+
+    straight, _, _ = train("nft", "wan", family_dirs, tmp_path / "two", **a14b, num_epochs=2)
+    resumed, _, _ = train("nft", "wan", family_dirs, tmp_path / "one", **a14b, resume=str(run_dir), num_epochs=2)
+    assert_same_state(load_checkpoint(straight), load_checkpoint(resumed), "nft")
 
 
 @pytest.mark.parametrize("family", ["chroma", "auraflow"])
