@@ -10,20 +10,25 @@ scripts' default shape (or every weight, `--full-finetune`) is trained on them w
 ||v(x_sigma) - (eps - x0)||^2 (sigma uniform over the 10-step schedule); then held-out and training prompts are
 scored like `convergence.py base`, ODE 10 steps at CFG 1. If this cannot raise exact, the RL algorithms' plateau is
 the model's or the LoRA's limit; if it can, the room is reachable and the algorithms' signal is what is missing.
+`--ground-truth` trains on freshly rendered scenes of the training prompts instead (what pretraining saw, exact by
+construction): the same budget spent on perfect data, a reference for what the model can still learn.
 Appends one row to benchmark/results/convergence/sft_ceiling.jsonl.
 """
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+from assets import world  # noqa: E402
 from benchmark.convergence import RESULTS, append, prompt_sets, score, summary  # noqa: E402
 from rewards import shapes  # noqa: E402
 
@@ -38,6 +43,11 @@ def main():
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--feed-forward", action="store_true", help="LoRA on the feed-forward layers too (more capacity)")
     ap.add_argument("--full-finetune", action="store_true", help="train every transformer weight instead of a LoRA")
+    ap.add_argument(
+        "--ground-truth",
+        action="store_true",
+        help="train on rendered scenes of the training prompts (the pretraining data) instead of the base's exact samples",
+    )
     ap.add_argument("--cache", default=None, help="a file to keep the kept samples in and reuse (e.g. runs/sft.pt)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -51,7 +61,16 @@ def main():
     # 1. the base's samples of every training prompt; keep the exact ones (or reuse the kept ones from --cache)
     key = {"guidance_scale": args.guidance_scale, "samples_per_prompt": args.samples_per_prompt, "seed": args.seed}
     cached = torch.load(args.cache, weights_only=True) if args.cache and Path(args.cache).is_file() else None
-    if cached is not None and cached["key"] == key:
+    if args.ground_truth:  # what pretraining saw: every scene is exact by construction (and stays exact through the VAE)
+        rng = random.Random(args.seed)
+        rows = [spec for spec in world.splits()[0] for _ in range(args.samples_per_prompt)]
+        images = torch.from_numpy(np.stack([world.render(world.sample_scene(rng, *spec)) for spec in rows]))
+        vae = pipe.pipe.vae
+        with torch.no_grad():
+            z = vae.encode(images.permute(0, 3, 1, 2).float() / 127.5 - 1).latent_dist.mode()
+        kept_latents = [(z - (getattr(vae.config, "shift_factor", None) or 0.0)) * vae.config.scaling_factor]
+        kept_prompts, total = [spec[1] for spec in rows], len(rows)
+    elif cached is not None and cached["key"] == key:
         kept_latents, kept_prompts, total = [cached["latents"]], cached["prompts"], cached["total"]
     else:
         kept_latents, kept_prompts = [], []
@@ -107,7 +126,8 @@ def main():
 
     # 3. the same scoring as `convergence.py base` (CFG 1), paired with the base at CFG 1 on the same noises
     pipe.transformer.eval()
-    row = {"method": "sft_on_exact_samples", **vars(args), "kept": len(kept_prompts), "prompts_covered": covered}
+    method = "sft_on_rendered_scenes" if args.ground_truth else "sft_on_exact_samples"
+    row = {"method": method, **vars(args), "kept": len(kept_prompts), "prompts_covered": covered}
     base_pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
     base_encoder = common.PromptEncoder(base_pipe)
     for name, prompts in prompt_sets().items():
