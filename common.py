@@ -114,10 +114,12 @@ def register(family: Family):
 
 
 def family_of(transformer) -> Family:
-    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays)."""
+    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays; FSDP's
+    `fully_shard` subclasses it as FSDP<class>, so the class's bases count too)."""
     name = type(transformer).__name__
+    bases = {cls.__name__ for cls in type(transformer).__mro__}
     for family in FAMILIES.values():
-        if family.transformer == name:
+        if family.transformer in bases:
             return family
     raise UserError(
         f"no model family for {name}; `import models` registers them ({', '.join(sorted(FAMILIES)) or 'none yet'})"

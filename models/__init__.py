@@ -248,6 +248,60 @@ def compile_unavailable(device) -> Optional[str]:
     return None
 
 
+def transformer_blocks(transformer) -> list:
+    """The repeated blocks of a transformer: the modules of its `*blocks` ModuleLists (SD3's `transformer_blocks`,
+    FLUX's `transformer_blocks` and `single_transformer_blocks`, ...), in order."""
+    return [
+        block
+        for name, child in transformer.named_children()
+        if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
+        for block in child
+    ]
+
+
+def fully_shard_transformer(transformer, cpu_offload: bool = False) -> list:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank: one unit per transformer block, then the root
+    (embeddings, final norm and projection). Each rank keeps 1/N of every parameter, the LoRA (added before) included,
+    as DTensor shards; a unit's weights are all-gathered for its forward and backward only, and its gradients are
+    reduce-scattered (averaged) in the backward. Returns the trainable parameters (requires_grad), now shards: the
+    optimizer, snapshots and EMAs are built from them, so they are sharded the same way.
+
+    Mixed precision on CUDA: weights gathered in bf16, gradients reduced in fp32 (the sharded master weights stay in
+    their dtype, fp32 for the LoRA); on the CPU everything stays in its own dtype. `cpu_offload`: the shards, their
+    gradients and the optimizer step live in CPU memory, each unit is copied to the GPU for its compute."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from distributed import fsdp_mesh
+
+    device = next(transformer.parameters()).device
+    blocks = transformer_blocks(transformer)
+    if not blocks:
+        raise UserError(f"--fsdp: {type(transformer).__name__} has no transformer block lists to shard")
+    cuda = device.type == "cuda"
+    options = {
+        "mesh": fsdp_mesh(device),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cuda
+        else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for block in blocks:
+        fully_shard(block, **options)
+    # the root too is resharded after every forward (FSDP's default keeps it gathered until the backward): the
+    # algorithms copy snapshot and EMA weights into the shards between no-grad forwards (`swapped_weights`), and a
+    # root left gathered after a sampling pass would go on computing with the weights it had before the copy
+    fully_shard(transformer, reshard_after_forward=True, **options)
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def is_fsdp(module) -> bool:
+    """Whether `fully_shard_transformer` sharded `module`: its forward, state dict and export are collectives then,
+    which every rank must call."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def compile_transformer(transformer) -> int:
     """Regional compilation (diffusers' advice): `torch.compile` each repeated transformer block rather than the whole
     model, so one block's graph is compiled once and reused by its siblings, and the code between blocks stays eager.
@@ -260,12 +314,7 @@ def compile_transformer(transformer) -> int:
         transformer.compile_repeated_blocks()
         blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._repeated_blocks]
     else:
-        blocks = [
-            block
-            for name, child in transformer.named_children()
-            if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
-            for block in child
-        ]
+        blocks = transformer_blocks(transformer)
         for block in blocks:
             block.compile()
     if not blocks:
