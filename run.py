@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import typing
+import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -242,6 +243,10 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 1")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
         raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
+    if fields.get("fsdp_cpu_offload") and not fields.get("fsdp"):
+        raise UserError("--fsdp-cpu-offload offloads the shards of --fsdp: pass --fsdp too")
+    if fields.get("fsdp_cpu_offload") and check_device(args.device).type != "cuda":
+        raise UserError("--fsdp-cpu-offload moves the shards off the GPU; on the CPU they are there already: drop it")
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
     if reason:
         raise UserError(f"--compile: {reason}; run without --compile (eager)")
@@ -1443,7 +1448,9 @@ def read_shards(folder: Path, info: dict) -> dict:
 
     saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     flat = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()}
-    dcp.load(flat, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # that no process group is there: none is needed
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, checkpoint_id=str(folder), no_dist=True)
     out = {"params": {}, "optimizer": {"state": {}}, "snapshots": {}, "eval_ema": None}
     index = {name: i for i, name in enumerate(info["params"])}
     for key in sorted(flat, key=lambda k: [int(x) if x.isdigit() else x for x in k.split("/")]):

@@ -291,7 +291,30 @@ def fully_shard_transformer(transformer, cpu_offload: bool = False) -> list:
     # algorithms copy snapshot and EMA weights into the shards between no-grad forwards (`swapped_weights`), and a
     # root left gathered after a sampling pass would go on computing with the weights it had before the copy
     fully_shard(transformer, reshard_after_forward=True, **options)
+    report_shard_bytes(transformer)
     return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def report_shard_bytes(transformer) -> list:
+    """Rank 0 prints, and every rank returns, the parameter bytes each rank holds ([frozen, trainable] per rank):
+    the sum of its local shards, against the whole transformer's (what every rank holds without --fsdp)."""
+    import torch.distributed as dist
+
+    from distributed import all_gather_cat
+
+    local, whole = [0, 0], [0, 0]
+    for p in transformer.parameters():
+        local[int(p.requires_grad)] += p.to_local().numel() * p.element_size()
+        whole[int(p.requires_grad)] += p.numel() * p.element_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    held = all_gather_cat(torch.tensor([local], dtype=torch.float64, device=device)).long().tolist()
+    if dist.get_rank() == 0:
+
+        def mb(kind: int) -> str:
+            return f"{' + '.join(f'{r[kind] / 2**20:.3f}' for r in held)} of {whole[kind] / 2**20:.3f}"
+
+        print(f"fsdp: transformer parameter MB per rank: frozen {mb(0)}, trainable {mb(1)}")
+    return held
 
 
 def is_fsdp(module) -> bool:

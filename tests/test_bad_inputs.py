@@ -76,6 +76,8 @@ SHARED = {
     "--model {tmp}/flux-over-sd3": "names FluxPipeline, whose transformer is FluxTransformer2DModel, but the folder holds SD3",
     # root passes os.access on any folder; only trying to write there shows /proc takes no run folder
     "--output-dir /proc/cleanflow-runs": "cannot create a run folder there (/proc is not a writable folder)",
+    "--fsdp-cpu-offload": "--fsdp-cpu-offload offloads the shards of --fsdp: pass --fsdp too",
+    "--fsdp --fsdp-cpu-offload --device cpu": "--fsdp-cpu-offload moves the shards off the GPU",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
 NEEDS_MODEL = {"--lora-targets nosuchmodule"}

@@ -1,0 +1,124 @@
+"""--fsdp: FSDP2 over 2 gloo ranks on the CPU (torchrun) against one process without it, on the tiny model.
+
+Tolerance: none, every tensor is compared bit for bit. Each optimizer step takes one backward per rank (the FLAGS of
+test_algos: one trained timestep, one micro-batch per rank), so FSDP's reduce-scatter averages (g1 + g2) / 2 where
+one process accumulates g1 / 2 + g2 / 2: halving is exact in floating point, and the sums agree. With more backward
+passes per rank the two orders of summation differ in rounding (test_algos measured 4e-6 to 7e-6 relative).
+"""
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_script
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_algos import assert_same_state, script_argv, write_prompts
+
+import common
+from run import LORA_WEIGHTS, load_checkpoint
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("prompts"))
+
+
+def only(folder: Path) -> Path:
+    (run_dir,) = folder.iterdir()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, prompts):
+    """algo -> 2 epochs in one process without --fsdp (`one`) and on 2 ranks with it (`two`, its stdout), once per
+    module; tests only read them."""
+    cache = {}
+
+    def get(algo):
+        if algo not in cache:
+            one, two = tmp_path_factory.mktemp(f"one-{algo}"), tmp_path_factory.mktemp(f"two-{algo}")
+            run_script(script_argv(algo, prompts, one, "--num-epochs", 2))
+            out = run_script([*TORCHRUN, *script_argv(algo, prompts, two, "--num-epochs", 2, "--fsdp")])
+            cache[algo] = SimpleNamespace(one=only(one), two=only(two), stdout=out.stdout)
+        return cache[algo]
+
+    return get
+
+
+def lora_export(run_dir: Path) -> tuple:
+    """The exported LoRA's tensors and its safetensors metadata, the adapter's target modules as a set (peft keeps
+    them in a set, whose order differs between processes)."""
+    path = run_dir / "lora" / LORA_WEIGHTS
+    meta = safe_open(str(path), "pt").metadata()
+    adapter = json.loads(meta.pop("lora_adapter_metadata"))
+    adapter["transformer.target_modules"] = sorted(adapter["transformer.target_modules"])
+    return load_file(str(path)), meta, adapter
+
+
+def transformer_bytes() -> float:
+    """The tiny model's transformer parameters in MB, loaded on their own (what every rank holds without --fsdp)."""
+    from diffusers import SD3Transformer2DModel
+
+    transformer = SD3Transformer2DModel.from_pretrained(Path(common.TINY_MODEL) / "transformer")
+    return sum(p.numel() * p.element_size() for p in transformer.parameters()) / 2**20
+
+
+@pytest.mark.parametrize("algo", ["grpo", "nft", *(pytest.param(a, marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo"))])
+def test_two_sharded_ranks_match_one_process(algo, runs):
+    """After 2 epochs: weights, optimizer moments, snapshots and eval EMA equal bit for bit (the sharded checkpoint
+    read whole), one shard file per rank, the same LoRA export, and each rank holding half of the transformer."""
+    r = runs(algo)
+    a, b = load_checkpoint(r.one), load_checkpoint(r.two, full=True)
+    assert b["shards"]["ranks"] == 2 and "params" not in load_checkpoint(r.two)  # the tensors live in shards/ only
+    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did move
+    assert_same_state(a, b, algo)
+    shards = r.two / "checkpoints" / "last" / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (r.two / "checkpoints").iterdir()) == ["epoch_000001", "epoch_000002", "last"]
+
+    tensors_a, meta_a, adapter_a = lora_export(r.one)
+    tensors_b, meta_b, adapter_b = lora_export(r.two)
+    assert tensors_a.keys() == tensors_b.keys() and all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    assert meta_a == meta_b and adapter_a == adapter_b
+    assert r.stdout.count("final eval") == 1  # every rank samples the eval, rank 0 alone prints and logs
+
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("fsdp: transformer parameter MB per rank")]
+    frozen, trainable = line.split(": frozen ")[1].split(", trainable ")
+    held, whole = [float(x) for x in frozen.split(" of ")[0].split(" + ")], float(frozen.split(" of ")[1])
+    lora = [float(x) for x in trainable.split(" of ")[0].split(" + ")]
+    lora_whole = sum(v.numel() * v.element_size() for v in a["params"].values()) / 2**20
+    assert whole == pytest.approx(transformer_bytes(), abs=1e-3) and float(trainable.split(" of ")[1]) == pytest.approx(
+        lora_whole, abs=1e-3
+    )
+    # each rank holds its half; rows that do not split evenly leave one rank up to a row more per parameter
+    assert len(held) == 2 and sum(held) == pytest.approx(whole, abs=2e-3) and max(held) < 0.52 * whole
+    assert sum(lora) == pytest.approx(lora_whole, abs=2e-3) and max(lora) < 0.52 * lora_whole
+
+
+def test_sharded_resume_is_exact_on_two_ranks_and_on_one(runs, tmp_path):
+    """From the 2-rank run's epoch-1 checkpoint: a resume on 2 ranks and one on 1 process (DCP reshards the 2 ranks'
+    pieces) both end bit for bit at the uninterrupted run's epoch 2. What a kill in the middle of a sharded save
+    leaves (a .tmp-* folder with one rank's shard) is removed, and `last` never pointed at it."""
+    r = runs("grpo")
+    b = load_checkpoint(r.two, full=True)
+    for name, launcher in (("two", TORCHRUN), ("one", [])):
+        run_dir = tmp_path / name / r.two.name
+        shutil.copytree(r.two, run_dir, symlinks=True)
+        shutil.rmtree(run_dir / "checkpoints" / "epoch_000002")
+        (run_dir / "checkpoints" / "last").unlink()
+        killed = run_dir / "checkpoints" / ".tmp-epoch_000002.123" / "shards"
+        killed.mkdir(parents=True)
+        (killed / "__0_0.distcp").write_bytes(b"half a shard")
+        run_script([*launcher, "algos/grpo.py", "--resume", run_dir / "checkpoints" / "epoch_000001", "--num-epochs", 2])
+        assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+        c = load_checkpoint(run_dir, full=True)
+        assert c["shards"]["ranks"] == (2 if name == "two" else 1)
+        assert_same_state(b, c, "grpo")
+        tensors, _, _ = lora_export(run_dir)
+        assert all(torch.equal(tensors[k], v) for k, v in lora_export(r.two)[0].items())
