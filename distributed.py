@@ -129,7 +129,8 @@ def check_same_on_all_ranks(params: Sequence[torch.Tensor]):
     if not dist.is_initialized():
         return
     checksum = torch.stack([p.detach().double().sum() for p in params]).sum().view(1)
-    gathered = all_gather_cat(checksum.to(params[0].device))
+    # NCCL gathers CUDA tensors only; the weights may still be on the CPU (--fsdp shards them from there)
+    gathered = all_gather_cat(checksum.to("cuda" if dist.get_backend() == "nccl" else "cpu"))
     if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
         raise UserError(f"trainable weights differ across ranks at start (checksums {gathered.tolist()})")
 

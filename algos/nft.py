@@ -347,13 +347,14 @@ def main(args: Args):
         height=args.height,
         width=args.width,
         num_frames=args.num_frames,
+        shard=args.fsdp,
     )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
     params = models.add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
     distributed.check_same_on_all_ranks(params)
     if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
-        params = models.fully_shard_transformer(transformer, args.fsdp_cpu_offload)
+        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.gradient_checkpointing:

@@ -144,8 +144,11 @@ def load_pipeline(
     height: Optional[int] = None,
     width: Optional[int] = None,
     num_frames: Optional[int] = None,
+    shard: bool = False,
 ):
     """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
+    `shard` (--fsdp): the transformer stays on the CPU, for `fully_shard_transformer` to move it to `device` one unit
+    at a time as it shards it: no GPU holds it whole.
 
     The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
     `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
@@ -191,7 +194,12 @@ def load_pipeline(
     for m in pipe.components.values():
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
-    pipe = pipe.to(device)
+    if shard:
+        for name, m in pipe.components.items():
+            if isinstance(m, torch.nn.Module) and name != "transformer":
+                m.to(device)
+    else:
+        pipe = pipe.to(device)
     return Model(pipe, family, pipe.transformer, family.scheduler(pipe) if family.scheduler else pipe.scheduler, tuple(shape))
 
 
@@ -259,12 +267,13 @@ def transformer_blocks(transformer) -> list:
     ]
 
 
-def fully_shard_transformer(transformer, cpu_offload: bool = False) -> list:
+def fully_shard_transformer(transformer, device: torch.device, cpu_offload: bool = False) -> list:
     """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank: one unit per transformer block, then the root
     (embeddings, final norm and projection). Each rank keeps 1/N of every parameter, the LoRA (added before) included,
     as DTensor shards; a unit's weights are all-gathered for its forward and backward only, and its gradients are
     reduce-scattered (averaged) in the backward. Returns the trainable parameters (requires_grad), now shards: the
-    optimizer, snapshots and EMAs are built from them, so they are sharded the same way.
+    optimizer, snapshots and EMAs are built from them, so they are sharded the same way. A transformer on the CPU
+    (`load_pipeline(shard=True)`) moves to `device` unit by unit, each unit whole only until its shards are cut.
 
     Mixed precision on CUDA: weights gathered in bf16, gradients reduced in fp32 (the sharded master weights stay in
     their dtype, fp32 for the LoRA); on the CPU everything stays in its own dtype. `cpu_offload`: the shards, their
@@ -273,7 +282,6 @@ def fully_shard_transformer(transformer, cpu_offload: bool = False) -> list:
 
     from distributed import fsdp_mesh
 
-    device = next(transformer.parameters()).device
     blocks = transformer_blocks(transformer)
     if not blocks:
         raise UserError(f"--fsdp: {type(transformer).__name__} has no transformer block lists to shard")
