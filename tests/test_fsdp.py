@@ -3,7 +3,8 @@
 Tolerance: none, every tensor is compared bit for bit. Each optimizer step takes one backward per rank (the FLAGS of
 test_algos: one trained timestep, one micro-batch per rank), so FSDP's reduce-scatter averages (g1 + g2) / 2 where
 one process accumulates g1 / 2 + g2 / 2: halving is exact in floating point, and the sums agree. With more backward
-passes per rank the two orders of summation differ in rounding (test_algos measured 4e-6 to 7e-6 relative).
+passes per rank the two orders of summation differ in rounding (test_algos measured 4e-6 to 7e-6 relative), and so
+does an active gradient-norm clip (test_clipped_gradient_uses_the_global_norm).
 """
 
 import json
@@ -122,3 +123,29 @@ def test_sharded_resume_is_exact_on_two_ranks_and_on_one(runs, tmp_path):
         assert_same_state(b, c, "grpo")
         tensors, _, _ = lora_export(run_dir)
         assert all(torch.equal(tensors[k], v) for k, v in lora_export(r.two)[0].items())
+
+
+def test_clipped_gradient_uses_the_global_norm(prompts, tmp_path):
+    """--max-grad-norm small enough to clip every step: the norm FSDP's clip computes is the norm over all shards
+    (a rank's own shards alone would give about 1/sqrt(2) of it and clip every weight ~40% differently). Not bit for
+    bit: the squared norm is summed per shard, then over the ranks, in another order than one process sums it, which
+    moved the norm by 1 float32 ulp (3e-8 at 0.34); Adam then turns ulp-level differences of gradients near 0 into
+    weight differences of 6e-6 after two steps (lr 3e-3). Tolerances: the first step's norm to 1e-6 relative, the
+    second's to 1e-4 (it sees the first step's differences: 5e-6 measured), the weights to lr / 100, a hundredth of
+    the ~lr one Adam step moves a weight."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--num-epochs", 2, "--max-grad-norm", 0.01, "--eval-every", 10]
+    run_script(script_argv("nft", prompts, tmp_path / "one", *flags))
+    run_script([*TORCHRUN, *script_argv("nft", prompts, tmp_path / "two", *flags, "--fsdp")])
+    a, b = load_checkpoint(only(tmp_path / "one")), load_checkpoint(only(tmp_path / "two"), full=True)
+    norms = []
+    for run_dir in (only(tmp_path / "one"), only(tmp_path / "two")):
+        acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        acc.Reload()
+        norms.append([e.value for e in acc.Scalars("losses/grad_norm")])
+    assert len(norms[0]) == 2 and min(norms[0]) > 0.01  # both steps clipped
+    assert norms[1][0] == pytest.approx(norms[0][0], rel=1e-6)  # the same weights: only the order of summation differs
+    assert norms[1][1] == pytest.approx(norms[0][1], rel=1e-4)  # after one step's differences (measured 5e-6)
+    lr = a["args"]["learning_rate"]
+    assert max((v - b["params"][n]).abs().max().item() for n, v in a["params"].items()) < lr / 100
