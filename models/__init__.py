@@ -275,9 +275,11 @@ def fully_shard_transformer(transformer, device: torch.device, cpu_offload: bool
     optimizer, snapshots and EMAs are built from them, so they are sharded the same way. A transformer on the CPU
     (`load_pipeline(shard=True)`) moves to `device` unit by unit, each unit whole only until its shards are cut.
 
-    Mixed precision on CUDA: weights gathered in bf16, gradients reduced in fp32 (the sharded master weights stay in
-    their dtype, fp32 for the LoRA); on the CPU everything stays in its own dtype. `cpu_offload`: the shards, their
-    gradients and the optimizer step live in CPU memory, each unit is copied to the GPU for its compute."""
+    Mixed precision: every weight is gathered in the frozen base's dtype (--base-dtype: bf16 on GPUs; the fp32 LoRA
+    master shards are cast to it for the compute, as autocast would) and gradients are reduced in fp32; an fp32 base
+    (the CPU default) casts nothing. The forward's inputs are left as the family casts them, so the timestep stays fp32
+    (cast to bf16, 1000 sigma would round to steps of 4). `cpu_offload`: the shards, their gradients and the optimizer
+    step live in CPU memory, each unit is copied to the GPU for its compute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from distributed import fsdp_mesh
@@ -285,12 +287,12 @@ def fully_shard_transformer(transformer, device: torch.device, cpu_offload: bool
     blocks = transformer_blocks(transformer)
     if not blocks:
         raise UserError(f"--fsdp: {type(transformer).__name__} has no transformer block lists to shard")
-    cuda = device.type == "cuda"
+    frozen = {p.dtype for p in transformer.parameters() if not p.requires_grad} - {torch.float32}
     options = {
         "mesh": fsdp_mesh(device),
-        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cuda
-        else MixedPrecisionPolicy(),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=next(iter(frozen), None), reduce_dtype=torch.float32, cast_forward_inputs=False
+        ),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     for block in blocks:
