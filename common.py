@@ -114,8 +114,7 @@ def register(family: Family):
 
 
 def family_of(transformer) -> Family:
-    """The family whose transformer class `transformer` is (LoRA wraps its layers in place; the class stays; FSDP's
-    `fully_shard` subclasses it as FSDP<class>, so the class's bases count too)."""
+    """The family whose transformer class `transformer` is (LoRA wraps layers in place; FSDP subclasses it: FSDP<class>)."""
     name = type(transformer).__name__
     bases = {cls.__name__ for cls in type(transformer).__mro__}
     for family in FAMILIES.values():

@@ -150,6 +150,7 @@ SAFE_OVERRIDES = (
     "save_every",
     "keep_checkpoints",
     "gradient_checkpointing",
+    "fsdp_cpu_offload",
     "overlap_reward",
     "compile",
     "eval_num_steps",
