@@ -1418,16 +1418,22 @@ def save_shards(
     if message is not None:
         if logger.enabled and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"{message}; the previous checkpoint is intact")
+        raise UserError(message if "intact" in message else f"{message}; the previous checkpoint is intact")
     export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
 
 
 def load_shards(folder: Path, info: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA):
     """Read a sharded checkpoint into this run's tensors (`restore_state`): DCP reshards from the `info["ranks"]` that
     wrote it to the ranks (and sharding) of this run. Names, shapes and dtypes are checked first."""
-    import torch.distributed.checkpoint as dcp
+    import pickle
 
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise UserError(f"its shards' {folder / '.metadata'} cannot be read ({type(e).__name__}): missing or corrupt")
     if any(k.startswith("optimizer/") for k in saved):
         init_optimizer_state(optimizer)
     live = shard_tensors(named, optimizer, snapshots, eval_ema)
@@ -1438,7 +1444,14 @@ def load_shards(folder: Path, info: dict, named: dict, optimizer, snapshots: dic
         meta = saved[key]
         if tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
             raise UserError(f"{key} is {tuple(meta.size)} {meta.properties.dtype}, expected {tuple(t.shape)} {t.dtype}")
-    dcp.load(live, checkpoint_id=str(folder))
+    try:
+        dcp.load(live, checkpoint_id=str(folder))
+    except CheckpointException as e:  # a BaseException: a missing or truncated shard file on some rank
+        failures = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in e.failures.items()]
+        reason = "; ".join(
+            f"rank {rank}: {type(x).__name__}: {(str(x).strip().splitlines() or [''])[0][:80]}" for rank, x in failures
+        )
+        raise UserError(f"its shards cannot be read ({reason or type(e).__name__}): truncated or corrupt") from None
 
 
 def read_shards(folder: Path, info: dict) -> dict:

@@ -165,3 +165,25 @@ def test_bf16_base_is_gathered_in_bf16_and_the_lora_stays_fp32(prompts, tmp_path
     assert len(held) == 2 and max(held) < 0.26 * fp32_whole and sum(held) > 0.49 * fp32_whole
     ckpt = load_checkpoint(only(tmp_path), full=True)
     assert ckpt["step"] == 1 and {v.dtype for v in ckpt["params"].values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "no metadata"])
+def test_damaged_shards_stop_a_resume_with_one_line(damage, runs, tmp_path):
+    """A shard file cut short (a disk that filled after the rename, a partial copy) or a lost .metadata: the resume
+    stops with one line and exit code 2 and leaves the run folder as it was."""
+    r = runs("grpo")
+    run_dir = tmp_path / r.two.name
+    shutil.copytree(r.two, run_dir, symlinks=True)
+    shards = run_dir / "checkpoints" / "epoch_000002" / "shards"
+    if damage == "truncated shard":
+        data = (shards / "__1_0.distcp").read_bytes()
+        (shards / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+    else:
+        (shards / ".metadata").unlink()
+    before = sorted((p.relative_to(run_dir), p.read_bytes() if p.is_file() else None) for p in run_dir.rglob("*"))
+    out = run_script(["algos/grpo.py", "--resume", run_dir, "--num-epochs", 3], check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint") and "cannot be read" in last and "nothing was changed" in last, last
+    after = sorted((p.relative_to(run_dir), p.read_bytes() if p.is_file() else None) for p in run_dir.rglob("*"))
+    assert after == before
