@@ -1316,7 +1316,7 @@ def restore_state(
     where = f"checkpoint {_RUN.get('checkpoint', '')}".rstrip()
     try:
         if ckpt.get("shards"):  # written under --fsdp, on any number of ranks: read into this run's tensors, resharded
-            load_shards(Path(_RUN["checkpoint"]) / SHARDS_DIR, ckpt["shards"], named, optimizer, snapshots, eval_ema)
+            load_shards(Path(_RUN["checkpoint"]) / SHARDS_DIR, named, optimizer, snapshots, eval_ema)
         else:
             check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
             load_trainable_state(named, ckpt["params"])
@@ -1392,6 +1392,7 @@ def save_shards(
     rest and renames it into place, then the export is gathered. A failure on any rank stops every rank with one line."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     root, tmp, message = Path(run_dir) / "checkpoints", None, None
     if logger.enabled:
@@ -1405,10 +1406,10 @@ def save_shards(
     if message is None:
         try:
             dcp.save(shard_tensors(named, optimizer, snapshots, eval_ema), checkpoint_id=tmp / SHARDS_DIR)
-        except BaseException as e:  # DCP raises a failure on any rank on every rank (CheckpointException)
+        except (Exception, CheckpointException) as e:  # DCP raises a failure of any rank on every rank
             message = f"could not write the checkpoint shards ({write_error_reason(e, root)})"
         if message is None and logger.enabled:
-            state = {**run_state(args, pipe, prompt_gen, epoch, step, images_seen)}
+            state = run_state(args, pipe, prompt_gen, epoch, step, images_seen)
             state["shards"] = {"ranks": dist.get_world_size(), "params": list(named)}
             try:
                 save_checkpoint(root / "last", state, keep=args.keep_checkpoints, staged=tmp)
@@ -1422,9 +1423,9 @@ def save_shards(
     export_lora(Path(run_dir) / "lora", pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
 
 
-def load_shards(folder: Path, info: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA):
-    """Read a sharded checkpoint into this run's tensors (`restore_state`): DCP reshards from the `info["ranks"]` that
-    wrote it to the ranks (and sharding) of this run. Names, shapes and dtypes are checked first."""
+def load_shards(folder: Path, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA):
+    """Read a sharded checkpoint into this run's tensors (`restore_state`): DCP reshards from the ranks that wrote it
+    to the ranks (and sharding) of this run. Names, shapes and dtypes are checked first."""
     import pickle
 
     import torch.distributed.checkpoint as dcp
