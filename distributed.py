@@ -87,10 +87,32 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_grads(params: Sequence[torch.Tensor]):
     """Average the accumulated gradients over ranks, in place. One all-reduce per parameter instead of DDP: the
-    algorithms swap snapshot/EMA weights into the same module, which DDP's bucketing would not expect."""
+    algorithms swap snapshot/EMA weights into the same module, which DDP's bucketing would not expect. Parameters
+    sharded by FSDP (DTensors) are skipped: FSDP's reduce-scatter already averaged their gradients over the ranks."""
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and not is_sharded(p):
             p.grad.copy_(all_reduce_mean(p.grad))
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor: a parameter (or its gradient, or a clone of it) that FSDP shards over the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def fsdp_mesh(device: torch.device):
+    """The 1-D device mesh FSDP shards over: every rank. A single process gets a process group of its own, so that
+    `--fsdp` runs the same code at any world size (a resume on 1 rank of a run sharded over N reads its checkpoint)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:  # torchrun --nproc-per-node 1
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +129,8 @@ def check_same_on_all_ranks(params: Sequence[torch.Tensor]):
     if not dist.is_initialized():
         return
     checksum = torch.stack([p.detach().double().sum() for p in params]).sum().view(1)
-    gathered = all_gather_cat(checksum.to(params[0].device))
+    # NCCL gathers CUDA tensors only; the weights may still be on the CPU (--fsdp shards them from there)
+    gathered = all_gather_cat(checksum.to("cuda" if dist.get_backend() == "nccl" else "cpu"))
     if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
         raise UserError(f"trainable weights differ across ranks at start (checksums {gathered.tolist()})")
 

@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import typing
+import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -24,7 +25,7 @@ import torch
 
 from common import FAMILIES, REPO, UserError, evaluate, load_prompts
 from distributed import busy_cpu_hint, check_device
-from models import EvalEMA, check_model_folder, compile_unavailable, pipeline_config, swapped_weights
+from models import EvalEMA, check_model_folder, compile_unavailable, is_fsdp, pipeline_config, swapped_weights
 
 
 def run_main(main, args, argv: Optional[Sequence[str]] = None):
@@ -150,6 +151,7 @@ SAFE_OVERRIDES = (
     "save_every",
     "keep_checkpoints",
     "gradient_checkpointing",
+    "fsdp_cpu_offload",
     "overlap_reward",
     "compile",
     "eval_num_steps",
@@ -184,6 +186,7 @@ CHECKPOINT_KEYS = (  # what `save_state` writes (`save_checkpoint` adds format, 
     "sampler",
     "format",
     "algo",
+    "shards",
 )
 
 
@@ -246,6 +249,10 @@ def check_args(args, fresh: bool = True):
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 1")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
         raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
+    if fields.get("fsdp_cpu_offload") and not fields.get("fsdp"):
+        raise UserError("--fsdp-cpu-offload offloads the shards of --fsdp: pass --fsdp too")
+    if fields.get("fsdp_cpu_offload") and check_device(args.device).type != "cuda":
+        raise UserError("--fsdp-cpu-offload moves the shards off the GPU; on the CPU they are there already: drop it")
     reason = compile_unavailable(check_device(args.device)) if fields.get("compile") else None
     if reason:
         raise UserError(f"--compile: {reason}; run without --compile (eager)")
@@ -796,25 +803,45 @@ def export_lora(
     `weights`: other values for the trainable parameters (an EMA), in `trainable_params`' order, exported instead of the
     live ones, which are left untouched; `weights_name` says which in the card. `logger`: its newest eval/* scalars
     go into the card's table and its newest "eval/images" grid (captioned) becomes samples.png, unless `samples` (a [3, H, W]
-    image in [0, 1]) is given. Call it on one rank only."""
+    image in [0, 1]) is given. Call it on one rank only; under --fsdp on every rank (the LoRA is gathered from all of
+    them), and rank 0 writes."""
     from peft import get_peft_model_state_dict
 
+    full = getattr(args, "full_finetune", False)
+    params = list(transformer.parameters()) if full else [p for n, p in transformer.named_parameters() if "lora_" in n]
+    experts = getattr(transformer, "experts", None) or {"transformer": transformer}
+    with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
+        if is_fsdp(transformer):
+            import torch.distributed as dist
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # the whole trainable state on rank 0's CPU, one parameter at a time (the others get nothing)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+            gathered = get_model_state_dict(transformer, options=options)
+            if dist.get_rank() != 0:
+                return out_dir
+            peft = get_peft_model_state_dict(transformer, state_dict=gathered) if not full else gathered
+            states = {"transformer": {k: v.clone() for k, v in peft.items()}}
+        elif full:
+            states = {"transformer": {k: v.detach().cpu().clone() for k, v in transformer.state_dict().items()}}
+        else:
+            states = {
+                k: {n: v.detach().cpu().clone() for n, v in get_peft_model_state_dict(m).items()} for k, m in experts.items()
+            }
     out_dir = Path(out_dir)
     tmp, old = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}"), out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        full = getattr(args, "full_finetune", False)
-        params = list(transformer.parameters()) if full else [p for n, p in transformer.named_parameters() if "lora_" in n]
-        experts = getattr(transformer, "experts", None) or {"transformer": transformer}
-        with swapped_weights(params, weights) if weights is not None else contextlib.nullcontext():
-            if full:
-                transformer.save_pretrained(tmp)
-            else:
-                states = {
-                    k: {n: v.detach().cpu().clone() for n, v in get_peft_model_state_dict(m).items()}
-                    for k, m in experts.items()
-                }
+        if full:  # a diffusers transformer folder: its config and the (gathered) weights
+            from safetensors.torch import save_file
+
+            transformer.save_config(tmp)
+            config = json.loads((tmp / "config.json").read_text())  # FSDP2 renames the class FSDP<class>
+            (tmp / "config.json").write_text(json.dumps({**config, "_class_name": pipe.family.transformer}, indent=2))
+            save_file(
+                {k: v.contiguous() for k, v in states["transformer"].items()}, tmp / "diffusion_pytorch_model.safetensors"
+            )
         for name, file in {} if full else lora_files(transformer).items():
             type(pipe.pipe).save_lora_weights(
                 tmp,
@@ -1124,12 +1151,13 @@ def _plain(value):
     return str(value)
 
 
-def save_checkpoint(path: Path, state: dict, keep: int = 0):
+def save_checkpoint(path: Path, state: dict, keep: int = 0, staged: Optional[Path] = None):
     """Save `state` as the checkpoint folder <path's folder>/epoch_<state["epoch"]>/ and point `last` at it (see above).
 
     `path` is <run>/checkpoints/last. Top-level entries that are tensors or dicts/lists of tensors go to
     safetensors, whatever their name; everything else to state.pt. Keeps the newest max(keep, 1) epoch folders.
-    A failed write (disk full, file-size limit) removes what it wrote and stops the run with one line."""
+    A failed write (disk full, file-size limit) removes what it wrote and stops the run with one line.
+    `staged`: the temp folder, already holding what other writers put there (the shards of `save_shards`)."""
     root = Path(path).parent
     tensors, layout, rest = {}, {}, {}
     for key, value in state.items():
@@ -1139,13 +1167,13 @@ def save_checkpoint(path: Path, state: dict, keep: int = 0):
             rest[key] = _plain(value)
     rest.update(format=CHECKPOINT_FORMAT, algo=_RUN.get("algo"), tensor_layout=layout)
     name = f"epoch_{state['epoch']:06d}"
-    target, tmp, link = root / name, root / f".tmp-{name}.{os.getpid()}", root / f".tmp-last.{os.getpid()}"
+    target, tmp, link = root / name, staged or root / f".tmp-{name}.{os.getpid()}", root / f".tmp-last.{os.getpid()}"
     old = None
     try:
         from safetensors.torch import save_file
 
         root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=staged is not None)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": CHECKPOINT_FORMAT})
         torch.save(rest, tmp / STATE_FILE)
         if target.exists():  # saved twice at one epoch (a stop after a non-finite abort): replace it
@@ -1224,9 +1252,11 @@ def find_checkpoint(resume: str) -> tuple:
     return run_dir, ckpt_dir
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, full: bool = False) -> dict:
     """A checkpoint folder (or a run folder: its newest) -> the state dict `save_checkpoint` was given, without
-    unpickling code. Missing, truncated or foreign files fail with one line."""
+    unpickling code. Missing, truncated or foreign files fail with one line. A sharded checkpoint (--fsdp) leaves
+    its tensors in shards/ (`restore_state` reads them into the sharded run) unless `full`: then they are read whole
+    (`read_shards`), so the result has the entries of an unsharded checkpoint."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         path = find_checkpoint(str(path))[1]
@@ -1252,6 +1282,8 @@ def load_checkpoint(path: Path) -> dict:
     except Exception as e:  # noqa: BLE001
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"checkpoint {weights} cannot be read ({reason}): truncated or corrupt") from None
+    if full and state.get("shards"):
+        state.update(read_shards(path / SHARDS_DIR, state["shards"]))
     return state
 
 
@@ -1443,7 +1475,13 @@ def save_state(
     """Rank 0 (the logger's rank): everything an exact `--resume` needs -- the trainable weights `named`, the optimizer,
     the algorithm's `snapshots` ({name: [tensors]}), the eval EMA, the prompt stream, every RNG, the counters, the Args
     and the sampler settings -- to checkpoints/epoch_<E>/ with `checkpoints/last` pointing at it (keeping the newest
-    `--keep-checkpoints`), then the export that users load (`export_dir`: runs/<run>/lora, or transformer)."""
+    `--keep-checkpoints`), then the export that users load (`export_dir`: runs/<run>/lora, or transformer).
+
+    Under --fsdp every rank calls it: the tensors are written sharded (`save_shards`), the export gathered."""
+    if is_fsdp(pipe.transformer):
+        return save_shards(
+            run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, algo_doc, epoch, step, images_seen
+        )
     if not logger.enabled:
         return
     check_run_folder(run_dir)
@@ -1454,23 +1492,31 @@ def save_state(
             "optimizer": optimizer.state_dict(),
             "snapshots": {k: [t.cpu() for t in v] for k, v in snapshots.items()},
             "eval_ema": eval_ema.state(),
-            "prompt_gen": prompt_gen.get_state(),
-            "rng": rng_state(),
-            "epoch": epoch,
-            "step": step,
-            "images_seen": images_seen,
-            "args": vars(args),
-            "sampler": {
-                "num_steps": args.num_steps,
-                "guidance_scale": args.guidance_scale,
-                "dynamics": args.dynamics,
-                "eta": args.eta,
-                "scheduler": dict(pipe.scheduler.config),
-            },
+            **run_state(args, pipe, prompt_gen, epoch, step, images_seen),
         },
         keep=args.keep_checkpoints,
     )
     export_lora(export_dir(run_dir, args), pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+
+
+def run_state(args, pipe, prompt_gen: torch.Generator, epoch: int, step: int, images_seen: int) -> dict:
+    """What a checkpoint holds besides the trainable tensors: the prompt stream, the RNGs, the counters, the Args and
+    the sampler settings."""
+    return {
+        "prompt_gen": prompt_gen.get_state(),
+        "rng": rng_state(),
+        "epoch": epoch,
+        "step": step,
+        "images_seen": images_seen,
+        "args": vars(args),
+        "sampler": {
+            "num_steps": args.num_steps,
+            "guidance_scale": args.guidance_scale,
+            "dynamics": args.dynamics,
+            "eta": args.eta,
+            "scheduler": dict(pipe.scheduler.config),
+        },
+    }
 
 
 def restore_state(
@@ -1482,13 +1528,16 @@ def restore_state(
         return 0, 0, 0
     where = f"checkpoint {_RUN.get('checkpoint', '')}".rstrip()
     try:
-        check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-        load_trainable_state(named, ckpt["params"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for key, tensors in snapshots.items():
-            for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                t.copy_(saved)
-        eval_ema.load(ckpt.get("eval_ema"))
+        if ckpt.get("shards"):  # written under --fsdp, on any number of ranks: read into this run's tensors, resharded
+            load_shards(Path(_RUN["checkpoint"]) / SHARDS_DIR, named, optimizer, snapshots, eval_ema)
+        else:
+            check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+            load_trainable_state(named, ckpt["params"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            for key, tensors in snapshots.items():
+                for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                    t.copy_(saved)
+            eval_ema.load(ckpt.get("eval_ema"))
         prompt_gen.set_state(ckpt["prompt_gen"])
         set_rng_state(ckpt["rng"])
     except UserError as e:
@@ -1499,15 +1548,163 @@ def restore_state(
     return ckpt["epoch"], ckpt["step"], ckpt["images_seen"]
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# sharded checkpoints (--fsdp): every rank writes its own shards with torch.distributed.checkpoint (DCP)
+# ----------------------------------------------------------------------------------------------------------------
+# epoch_<E>/ holds state.pt and weights.safetensors as below (counters, RNGs, Args, the prompt stream; "shards" says
+# how many ranks wrote it and the trainable weights' names in order) plus shards/, a DCP folder (.metadata and one
+# __<rank>_0.distcp per rank) with the trainable weights, the optimizer state, the snapshots and the eval EMA under
+# flat names: "params/<name>", "optimizer/<name>/exp_avg", "snapshots/<key>/<i>", "eval_ema/<i>". DCP records every
+# tensor's global shape and each shard's offsets, so a run on another number of ranks reads the pieces it holds.
+# The shards go into the .tmp-* folder that rank 0 then renames into place (`save_checkpoint`): a kill during a
+# save leaves `last` on the previous checkpoint, as without --fsdp.
+SHARDS_DIR = "shards"
+
+
+def shard_tensors(named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA) -> dict:
+    """The live tensors of a sharded checkpoint by their flat names (above): DCP writes them, or reads into them."""
+    out = {f"params/{n}": p.detach() for n, p in named.items()}
+    names = {id(p): n for n, p in named.items()}
+    for p, state in optimizer.state.items():
+        out.update({f"optimizer/{names[id(p)]}/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    for key, tensors in snapshots.items():
+        out.update({f"snapshots/{key}/{i}": t for i, t in enumerate(tensors)})
+    out.update({f"eval_ema/{i}": t for i, t in enumerate(eval_ema.shadow)})
+    return out
+
+
+def init_optimizer_state(optimizer):
+    """Give a fresh optimizer its state tensors (AdamW's moments and step) with one step on zero gradients at learning
+    rate 0, which moves no weight (weight decay included), so that a sharded load has tensors to read into."""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _from_main(value):
+    """Rank 0's `value` on every rank (a picklable object): the ranks of a sharded save take one decision together."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_shards(
+    run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, algo_doc, epoch, step, images_seen
+):
+    """`save_state` under --fsdp, on every rank: each rank writes its shards into rank 0's temp folder, rank 0 adds the
+    rest and renames it into place, then the export is gathered. A failure on any rank stops every rank with one line."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root, tmp, message = Path(run_dir) / "checkpoints", None, None
+    if logger.enabled:
+        try:
+            check_run_folder(run_dir)
+            tmp = root / f".tmp-epoch_{epoch:06d}.{os.getpid()}"  # the name `save_checkpoint` gives its temp folder
+            (tmp / SHARDS_DIR).mkdir(parents=True)
+        except (UserError, OSError) as e:
+            message = str(e) if isinstance(e, UserError) else f"could not write the checkpoint ({write_error_reason(e, root)})"
+    tmp, message = _from_main((tmp, message))
+    if message is None:
+        try:
+            dcp.save(shard_tensors(named, optimizer, snapshots, eval_ema), checkpoint_id=tmp / SHARDS_DIR)
+        except (Exception, CheckpointException) as e:  # DCP raises a failure of any rank on every rank
+            message = f"could not write the checkpoint shards ({write_error_reason(e, root)})"
+        if message is None and logger.enabled:
+            state = run_state(args, pipe, prompt_gen, epoch, step, images_seen)
+            state["shards"] = {"ranks": dist.get_world_size(), "params": list(named)}
+            try:
+                save_checkpoint(root / "last", state, keep=args.keep_checkpoints, staged=tmp)
+            except UserError as e:
+                message = str(e)
+        message = _from_main(message)
+    if message is not None:
+        if logger.enabled and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(message if "intact" in message else f"{message}; the previous checkpoint is intact")
+    export_lora(export_dir(run_dir, args), pipe, pipe.transformer, args, algo_doc, epoch, logger, **eval_ema.export())
+
+
+def load_shards(folder: Path, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA):
+    """Read a sharded checkpoint into this run's tensors (`restore_state`): DCP reshards from the ranks that wrote it
+    to the ranks (and sharding) of this run. Names, shapes and dtypes are checked first."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise UserError(f"its shards' {folder / '.metadata'} cannot be read ({type(e).__name__}): missing or corrupt")
+    if any(k.startswith("optimizer/") for k in saved):
+        init_optimizer_state(optimizer)
+    live = shard_tensors(named, optimizer, snapshots, eval_ema)
+    if set(saved) != set(live):
+        extra = sorted(set(saved) ^ set(live))[:2]
+        raise UserError(f"its sharded tensors are not this run's (e.g. {', '.join(extra)})")
+    for key, t in live.items():
+        meta = saved[key]
+        if tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
+            raise UserError(f"{key} is {tuple(meta.size)} {meta.properties.dtype}, expected {tuple(t.shape)} {t.dtype}")
+    try:
+        dcp.load(live, checkpoint_id=str(folder))
+    except CheckpointException as e:  # a BaseException: a missing or truncated shard file on some rank
+        failures = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in e.failures.items()]
+        reason = "; ".join(
+            f"rank {rank}: {type(x).__name__}: {(str(x).strip().splitlines() or [''])[0][:80]}" for rank, x in failures
+        )
+        raise UserError(f"its shards cannot be read ({reason or type(e).__name__}): truncated or corrupt") from None
+
+
+def read_shards(folder: Path, info: dict) -> dict:
+    """A sharded checkpoint's tensors whole, in this process (no process group): the `load_checkpoint(full=True)`
+    entries params, optimizer ({"state": {index: {...}}} in parameter order, as `optimizer.state_dict()`), snapshots
+    and eval_ema, for tools and tests that compare checkpoints."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    flat = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()}
+    with warnings.catch_warnings():  # that no process group is there: none is needed
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, checkpoint_id=str(folder), no_dist=True)
+    out = {"params": {}, "optimizer": {"state": {}}, "snapshots": {}, "eval_ema": None}
+    index = {name: i for i, name in enumerate(info["params"])}
+    for key in sorted(flat, key=lambda k: [int(x) if x.isdigit() else x for x in k.split("/")]):
+        kind, rest = key.split("/", 1)
+        if kind == "params":
+            out["params"][rest] = flat[key]
+        elif kind == "optimizer":
+            name, entry = rest.rsplit("/", 1)
+            out["optimizer"]["state"].setdefault(index[name], {})[entry] = flat[key]
+        elif kind == "snapshots":
+            out["snapshots"].setdefault(rest.split("/")[0], []).append(flat[key])
+        else:
+            out["eval_ema"] = (out["eval_ema"] or []) + [flat[key]]
+    out["optimizer"]["state"] = dict(sorted(out["optimizer"]["state"].items()))
+    return out
+
+
 def evaluate_and_log(
     args, pipe, encoder, prompts, rewards, eval_ema: EvalEMA, logger: "Logger", images_seen: int, label: str = "eval"
 ):
     """Rank 0 (the logger's rank): `evaluate` the held-out `prompts` with the eval sampler (--eval-num-steps,
     --eval-guidance-scale; the eval EMA's weights when --eval-ema-decay > 0), log eval/<reward> and a captioned grid
     at x = images seen, with the side metrics of --eval-rewards (the logger's) beside the training rewards, and print the
-    means as a line that stays above the progress bar. Returns {reward: mean}
-    (None on the other ranks)."""
-    if not logger.enabled:
+    means as a line that stays above the progress bar. Returns {reward: mean} (None on the other ranks). Under --fsdp
+    every rank samples with rank 0, since each forward gathers the weights from all of them."""
+    if not logger.enabled and not is_fsdp(pipe.transformer):
         return None
 
     def score(images, prompts):  # the training rewards' eval metrics, then the side metrics (--eval-rewards)
@@ -1531,6 +1728,8 @@ def evaluate_and_log(
             solver=getattr(args, "eval_solver", "euler"),
             progress=False,  # the run's one progress bar is the epochs'
         )
+    if not logger.enabled:
+        return None
     logger.scalars({f"eval/{k}": v.mean() for k, v in scores.items()}, images_seen)
     logger.images("eval/images", imgs[:16], captions(prompts[:16], scores), images_seen)
     means = {k: v.mean().item() for k, v in scores.items()}

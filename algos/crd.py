@@ -73,6 +73,10 @@ class Args:
     """score in a thread while the next samples"""
     compile: bool = False
     """torch.compile each transformer block"""
+    fsdp: bool = False
+    """FSDP2: shard the transformer over the ranks"""
+    fsdp_cpu_offload: bool = False
+    """with fsdp: keep the shards in CPU memory"""
     offload_text_encoders: bool = False
     """encode prompts once, text encoders to cpu"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -404,12 +408,15 @@ def main(args: Args):
         width=args.width,
         num_frames=args.num_frames,
         guidance_scale_2=args.guidance_scale_2,
+        shard=args.fsdp,
     )
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
     params = models.trainable_params(transformer, args)
-    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     distributed.check_same_on_all_ranks(params)
+    if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
+        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(transformer)

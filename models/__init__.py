@@ -151,8 +151,11 @@ def load_pipeline(
     width: Optional[int] = None,
     num_frames: Optional[int] = None,
     guidance_scale_2: Optional[float] = None,
+    shard: bool = False,
 ):
     """Load a flow-matching pipeline of a registered family from a local folder or a hub id, frozen, in eval mode.
+    `shard` (--fsdp): the transformer stays on the CPU, for `fully_shard_transformer` to move it to `device` one unit
+    at a time as it shards it: no GPU holds it whole.
 
     The family comes from the folder's model_index.json (`_class_name`), or for a hub id from its name (`HUB_NAMES`).
     `height` x `width` (pixels; each defaults to `resolution`, then to the model's native size) and a video family's
@@ -199,7 +202,12 @@ def load_pipeline(
     for m in pipe.components.values():
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()
-    pipe = pipe.to(device)
+    if shard:  # the transformer stays on the CPU: fully_shard_transformer moves it unit by unit
+        for name, m in pipe.components.items():
+            if isinstance(m, torch.nn.Module) and name != "transformer":
+                m.to(device)
+    else:
+        pipe = pipe.to(device)
     scheduler = family.scheduler(pipe) if family.scheduler else pipe.scheduler
     if family is wan.FAMILY:
         transformer = wan.sampled_transformer(pipe, scheduler, guidance_scale_2)
@@ -284,6 +292,94 @@ def compile_unavailable(device) -> Optional[str]:
     return None
 
 
+def transformer_blocks(transformer) -> list:
+    """The repeated blocks of a transformer: the modules of its `*blocks` ModuleLists (SD3's `transformer_blocks`,
+    FLUX's `transformer_blocks` and `single_transformer_blocks`, ...), in order."""
+    return [
+        block
+        for name, child in transformer.named_children()
+        if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
+        for block in child
+    ]
+
+
+def fully_shard_transformer(transformer, device: torch.device, cpu_offload: bool = False) -> list:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank: one unit per transformer block, then the root
+    (embeddings, final norm and projection). Each rank keeps 1/N of every parameter, the LoRA (added before) included,
+    as DTensor shards; a unit's weights are all-gathered for its forward and backward only, and its gradients are
+    reduce-scattered (averaged) in the backward. Returns the trainable parameters (requires_grad), now shards: the
+    optimizer, snapshots and EMAs are built from them, so they are sharded the same way. A transformer on the CPU
+    (`load_pipeline(shard=True)`) moves to `device` unit by unit, each unit whole only until its shards are cut.
+
+    Mixed precision: every weight is gathered in the frozen base's dtype (--base-dtype: bf16 on GPUs; the fp32 LoRA
+    master shards are cast to it for the compute, as autocast would) and gradients are reduced in fp32; an fp32 base
+    (the CPU default) casts nothing. The forward's inputs are left as the family casts them, so the timestep stays fp32
+    (cast to bf16, 1000 sigma would round to steps of 4). `cpu_offload`: the shards, their gradients and the optimizer
+    step live in CPU memory, each unit is copied to the GPU for its compute."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from distributed import fsdp_mesh
+
+    blocks = transformer_blocks(transformer)
+    if not blocks:
+        raise UserError(f"--fsdp: {type(transformer).__name__} has no transformer block lists to shard")
+    frozen = {p.dtype for p in transformer.parameters() if not p.requires_grad} - {torch.float32}
+    options = {
+        "mesh": fsdp_mesh(device),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=next(iter(frozen), None), reduce_dtype=torch.float32, cast_forward_inputs=False
+        ),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    base = _FROZEN_BASE.pop(transformer, None)  # --full-finetune's frozen base, in parameter order
+    base = [base[p] for p in transformer.parameters()] if base is not None else None
+    for block in blocks:
+        fully_shard(block, **options)
+    # the root too is resharded after every forward (FSDP's default keeps it gathered until the backward): the
+    # algorithms copy snapshot and EMA weights into the shards between no-grad forwards (`swapped_weights`), and a
+    # root left gathered after a sampling pass would go on computing with the weights it had before the copy
+    fully_shard(transformer, reshard_after_forward=True, **options)
+    if base is not None:  # cut the same shards of the frozen base (rank 0's values, which every rank holds)
+        from torch.distributed.tensor import distribute_tensor
+
+        shards = [
+            distribute_tensor(b.to(p.device), p.device_mesh, p.placements) for p, b in zip(transformer.parameters(), base)
+        ]
+        _FROZEN_BASE[transformer] = dict(zip(transformer.parameters(), shards))
+    report_shard_bytes(transformer)
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def report_shard_bytes(transformer) -> list:
+    """Rank 0 prints, and every rank returns, the parameter bytes each rank holds ([frozen, trainable] per rank):
+    the sum of its local shards, against the whole transformer's (what every rank holds without --fsdp)."""
+    import torch.distributed as dist
+
+    from distributed import all_gather_cat
+
+    local, whole = [0, 0], [0, 0]
+    for p in transformer.parameters():
+        local[int(p.requires_grad)] += p.to_local().numel() * p.element_size()
+        whole[int(p.requires_grad)] += p.numel() * p.element_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    held = all_gather_cat(torch.tensor([local], dtype=torch.float64, device=device)).long().tolist()
+    if dist.get_rank() == 0:
+
+        def mb(kind: int) -> str:
+            return f"{' + '.join(f'{r[kind] / 2**20:.3f}' for r in held)} of {whole[kind] / 2**20:.3f}"
+
+        print(f"fsdp: transformer parameter MB per rank: frozen {mb(0)}, trainable {mb(1)}")
+    return held
+
+
+def is_fsdp(module) -> bool:
+    """Whether `fully_shard_transformer` sharded `module`: its forward, state dict and export are collectives then,
+    which every rank must call."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def compile_transformer(transformer) -> int:
     """Regional compilation (diffusers' advice): `torch.compile` each repeated transformer block rather than the whole
     model, so one block's graph is compiled once and reused by its siblings, and the code between blocks stays eager.
@@ -296,12 +392,7 @@ def compile_transformer(transformer) -> int:
         transformer.compile_repeated_blocks()
         blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._repeated_blocks]
     else:
-        blocks = [
-            block
-            for name, child in transformer.named_children()
-            if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks")
-            for block in child
-        ]
+        blocks = transformer_blocks(transformer)
         for block in blocks:
             block.compile()
     if not blocks:
@@ -342,11 +433,13 @@ def reference_model(transformer):
         finally:
             transformer.enable_adapters()
         return
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in transformer.modules()):
-        # FSDP2 puts its own gathered weights into the parameter slots at each forward: the swap would be ignored
-        raise UserError("--full-finetune's reference model does not support FSDP sharding yet")
+    if is_fsdp(transformer):
+        # FSDP2 puts its own gathered weights into the parameter slots at each forward, so the base shards are copied
+        # into the trained shards instead; the backward re-gathers from the shards (reshard_after_forward), restored
+        # by then, so GRPO's reference call between its forward and backward is safe here
+        with swapped_weights(list(base), list(base.values())):
+            yield transformer
+        return
     if any(p not in base for p in transformer.parameters()):  # parameters replaced after `trainable_params`
         raise RuntimeError("the frozen base no longer matches the transformer's parameters; call trainable_params last")
     slots = [(m, name, p) for m in transformer.modules() for name, p in m._parameters.items() if p in base]

@@ -80,6 +80,8 @@ SHARED = {
     # root passes os.access on any folder; only trying to write there shows /proc takes no run folder
     "--output-dir /proc/cleanflow-runs": "cannot create a run folder there (/proc is not a writable folder)",
     "--full-finetune --lora-rank 8": "--lora-rank: a LoRA setting, but --full-finetune trains every transformer weight",
+    "--fsdp-cpu-offload": "--fsdp-cpu-offload offloads the shards of --fsdp: pass --fsdp too",
+    "--fsdp --fsdp-cpu-offload --device cpu": "--fsdp-cpu-offload moves the shards off the GPU",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
 NEEDS_MODEL = {"--lora-targets nosuchmodule"}

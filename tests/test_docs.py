@@ -26,6 +26,9 @@ EXTERNAL = {
     "--node-rank",
     "--master-addr",
     "--master-port",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
     "--logdir",
 }
 

@@ -467,6 +467,7 @@ FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("sd3", "--guidance-scale 4 --guidance-scale-2 2", "--guidance-scale-2 2.0: only Wan2.2-A14B has a second"),
     ("a14b", "--guidance-scale-2 2", "--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1"),
     ("a14b", "--full-finetune", "--full-finetune of Wan2.2-A14B's two experts is not supported"),
+    ("a14b", "--fsdp", "--fsdp of Wan2.2-A14B's two experts is not supported"),
     ("a14b_without_expert", "", "boundary_ratio 0.875 needs a second expert transformer_2 (WanTransformer3DModel)"),
 ]
 
