@@ -4,6 +4,7 @@
     python benchmark/convergence.py base                                   # base at CFG 1 / 4.5, best-of-k, both prompt sets
     python benchmark/convergence.py final RUN [RUN ...]                    # each run's exported LoRA, both prompt sets
     python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
+    python benchmark/convergence.py roundtrip                              # rendered scenes through the VAE and the scorer
 
 Runs are trained by the algorithm files with `--keep-checkpoints` large enough to keep every save (the commands are in
 benchmark/results/convergence/README.md). `curves` loads each checkpoint's trainable weights (the eval EMA when the run
@@ -362,9 +363,35 @@ def cmd_train(args, sets):
         time.sleep(2)
 
 
+def cmd_roundtrip(args, sets):
+    """The pipeline's own limit: rendered scenes of every prompt (the pretraining data, exact by construction), 4 per
+    prompt, through the VAE (encode, decode) and the scorer. Anything below 1.0 is the VAE's or the scorer's, not the
+    transformer's. Appends one row per prompt split to roundtrip.jsonl."""
+    import random
+
+    from assets import world
+
+    pipe = models.load_pipeline(args.model, torch.device("cpu"))
+    vae = pipe.pipe.vae
+    for name, specs in zip(("train", "test"), world.splits()):
+        rng = random.Random(0)
+        rows = [spec for spec in specs for _ in range(4)]
+        images = torch.from_numpy(np.stack([world.render(world.sample_scene(rng, *spec)) for spec in rows]))
+        images = images.permute(0, 3, 1, 2).float() / 255
+        with torch.no_grad():
+            decoded = (vae.decode(vae.encode(images * 2 - 1).latent_dist.mode()).sample.clamp(-1, 1) + 1) / 2
+        prompts = [spec[1] for spec in rows]
+        row = {"set": name, "images": len(rows)}
+        for label, x in (("rendered", images), ("vae_roundtrip", decoded)):
+            m = shapes.evaluate(x, prompts, prompts)
+            row[label] = {k: round(float(torch.as_tensor(m[k]).float().mean()), 4) for k in ("exact", "strict", "extra")}
+        append(args.results / "roundtrip.jsonl", row)
+        print(json.dumps(row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["train", "base", "final", "extract", "table"])
+    ap.add_argument("command", choices=["train", "base", "final", "extract", "table", "roundtrip"])
     ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
@@ -377,9 +404,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     sets = prompt_sets()
-    {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}[args.command](
-        args, sets
-    )
+    commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}
+    commands["roundtrip"] = cmd_roundtrip
+    commands[args.command](args, sets)
 
 
 if __name__ == "__main__":
