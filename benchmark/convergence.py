@@ -87,6 +87,8 @@ SETTINGS = {
     "dgpo_ff": ("dgpo", FF),
     "grpo_cfg4.5_kl0.04_lr2e-3": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "2e-3"]),
     "grpo_cfg4.5_kl0.04_ff": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", *FF]),
+    # the evaluated weights an EMA of the trained ones, as every paper reports (the base itself is an EMA)
+    "crd_ff_ema0.95": ("crd", [*FF, "--eval-ema-decay", "0.95"]),
     # every transformer weight instead of a LoRA: is the LoRA's capacity the plateau?
     "crd_full_lr1e-4": ("crd", ["--full-finetune", "--learning-rate", "1e-4"]),
     "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),

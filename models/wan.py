@@ -170,6 +170,8 @@ def check(config, args):
         raise common.UserError(
             f"model {args.model!r}: --full-finetune of Wan2.2-A14B's two experts is not supported; train a LoRA"
         )
+    if two_experts and getattr(args, "fsdp", False):  # fully_shard_transformer shards one transformer's block lists
+        raise common.UserError(f"model {args.model!r}: --fsdp of Wan2.2-A14B's two experts is not supported")
     guidance_scale_2 = getattr(args, "guidance_scale_2", None)
     if guidance_scale_2 is not None and not two_experts:
         raise common.UserError(
