@@ -92,6 +92,8 @@ SETTINGS = {
     # every transformer weight instead of a LoRA: is the LoRA's capacity the plateau?
     "crd_full_lr1e-4": ("crd", ["--full-finetune", "--learning-rate", "1e-4"]),
     "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),
+    "nft_full_lr1e-4": ("nft", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
 }
 
 
