@@ -837,8 +837,10 @@ def export_lora(
             from safetensors.torch import save_file
 
             transformer.save_config(tmp)
-            config = json.loads((tmp / "config.json").read_text())  # FSDP2 renames the class FSDP<class>
-            (tmp / "config.json").write_text(json.dumps({**config, "_class_name": pipe.family.transformer}, indent=2))
+            # FSDP2 renames the class FSDP<class>; the base's local path is this machine's, not the reader's
+            config = json.loads((tmp / "config.json").read_text())
+            config = {k: v for k, v in config.items() if k != "_name_or_path"} | {"_class_name": pipe.family.transformer}
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
             save_file(
                 {k: v.contiguous() for k, v in states["transformer"].items()}, tmp / "diffusion_pytorch_model.safetensors"
             )

@@ -1,6 +1,7 @@
 """--full-finetune: every transformer weight trained (fp32) instead of a LoRA, in all five scripts; the reference model
 is the untouched base, a resume is exact, and the exported transformer folder loads into the stock pipeline."""
 
+import json
 import re
 from pathlib import Path
 
@@ -173,6 +174,8 @@ def test_exported_transformer_in_the_stock_pipeline_equals_our_sampler(full_run,
     ckpt = run.load_checkpoint(run_dir)
     exported = load_file(str(run_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(exported[n], v) for n, v in ckpt["params"].items())  # the final weights, bit for bit
+    config = json.loads((run_dir / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "SD3Transformer2DModel" and "_name_or_path" not in config  # no machine path
 
     ours = tiny()
     models.trainable_params(ours.transformer, crd.Args(full_finetune=True))
