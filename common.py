@@ -114,13 +114,11 @@ def register(family: Family):
 
 
 def family_of(transformer) -> Family:
-    """The family whose transformer class `transformer` is (LoRA wraps layers in place; FSDP subclasses it: FSDP<class>);
-    a module that holds several of a family's transformers (Wan2.2-A14B's experts) names their class in `transformer_class`."""
+    """The family of `transformer`'s class (LoRA keeps it; FSDP subclasses it; Wan2.2's Experts name it)."""
     name = getattr(transformer, "transformer_class", None) or type(transformer).__name__
     bases = {name} | {cls.__name__ for cls in type(transformer).__mro__}
-    for family in FAMILIES.values():
-        if family.transformer in bases:
-            return family
+    for family in (f for f in FAMILIES.values() if f.transformer in bases):
+        return family
     raise UserError(
         f"no model family for {name}; `import models` registers them ({', '.join(sorted(FAMILIES)) or 'none yet'})"
     )
