@@ -94,6 +94,8 @@ SETTINGS = {
     "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),
     "nft_full_lr1e-4": ("nft", ["--full-finetune", "--learning-rate", "1e-4"]),
     "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "grpo_full_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
 }
 
 
@@ -284,13 +286,88 @@ def cmd_table(args, sets):
             f"| {r['sweep']} | {r['setting']} | {r['seed']} | {r['device']} | {r['images'][-1]} | "
             f"{' '.join(f'{v:.3f}' for v in ex)} | {ex[-1] - ex[0]:+.3f} |"
         )
+    finals = []
+    for sweep in sorted(args.results.glob("*/final.jsonl")):
+        finals += [dict(r, sweep=sweep.parent.name) for r in read_jsonl(sweep)]
+    print("\n" + "\n".join(seeds_table(finals)))
+    cpu = [r for r in rows if r["device"] == "cpu" and len(r["images"]) > 1]
+    level = next((r["shapes_exact"][0] for r in rows if "cfg4.5" in r["setting"]), None)
+    if level is not None:
+        print("\n" + "\n".join(efficiency_table([r for r in rows if len(r["images"]) > 1], level)))
     if rows:
         plot(rows, base, args.results / "exact_vs_images.png")
+        first = {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
+        plot(cpu, base, args.results / "exact_vs_seconds.png", x="seconds", first=first)
 
 
-def plot(rows: list, base: list, path: Path):
-    """One panel per algorithm: every run's held-out exact against images trained, with the base model on the same
-    noises (a CFG-1 run's first eval; a CFG-4.5 run's first eval) and the base's best-of-4 (8 other noises)."""
+def mean_se(values) -> str:
+    v = np.asarray(values, dtype=float)
+    se = v.std(ddof=1) / math.sqrt(len(v)) if len(v) > 1 else float("nan")
+    return f"{v.mean():+.3f} ± {se:.3f}" if len(v) > 1 else f"{v.mean():+.3f}"
+
+
+def seeds_table(finals: list) -> list:
+    """Each setting's exported weights on the held-out prompts, over its seeds: mean ± standard error over seeds (the
+    issue's test: a gain beyond two standard errors over seeds), next to the gains over the base on the same noises."""
+    out = [
+        "| sweep | setting | seeds | images | exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img vs CFG 4.5 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups = defaultdict(list)
+    for r in finals:
+        if r["set"] == "test":
+            groups[(r["sweep"], r["setting"])].append(r)
+    for (sweep, setting), rs in groups.items():
+        exact = mean_se([r["exact"] for r in rs]).lstrip("+")
+        cells = [mean_se([r[f"{k}_gain_{t}"] for r in rs]) for k, t in (("exact", "cfg1"), ("exact", "cfg4.5"))]
+        extra = mean_se([r["extra_gain_cfg4.5"] for r in rs])
+        images = "/".join(f"{r['images']:,}" for r in rs)
+        out.append(f"| {sweep} | {setting} | {len(rs)} | {images} | {exact} | {cells[0]} | {cells[1]} | {extra} |")
+    return out
+
+
+def reach(row: dict, level: float):
+    """(images, seconds) at a run's first evaluation with held-out exact >= level, or None if it never got there."""
+    for images, seconds, exact in zip(row["images"], row["seconds"], row["shapes_exact"]):
+        if images > 0 and exact >= level:
+            return images, seconds
+    return None
+
+
+def efficiency_table(rows: list, level: float) -> list:
+    """Images and wall-clock seconds each run took to reach the CFG-4.5 base's in-run held-out exact, and GRPO's images
+    over these (a lower bound where GRPO never reached it). Seconds compare only within one sweep: each sweep ran on
+    its own machine with its own number of runs sharing it."""
+    grpo = [reach(r, level) for r in rows if SETTINGS.get(r["setting"], ("",))[0] == "grpo" and "cfg4.5" not in r["setting"]]
+    grpo_images = [g[0] for g in grpo if g] or None
+    grpo_bound = max((r["images"][-1] for r in rows if SETTINGS.get(r["setting"], ("",))[0] == "grpo"), default=None)
+    out = [
+        f"| sweep | setting | seed | device | images trained | images to reach {level:.3f} | seconds to reach | "
+        "GRPO's images / these |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "cfg4.5" in r["setting"]:
+            continue  # sampled at CFG 4.5: it starts at the level
+        hit = reach(r, level)
+        head = f"{r.get('sweep', '')} | {r['setting']} | {r['seed']} | {r['device']} | {r['images'][-1]:,}"
+        if hit is None:
+            out.append(f"| {head} | not reached | - | - |")
+            continue
+        if grpo_images:
+            ratio = f"{np.median(grpo_images) / hit[0]:.1f}x"
+        elif grpo_bound and grpo_bound > hit[0]:
+            ratio = f"> {grpo_bound / hit[0]:.1f}x (GRPO: not in {grpo_bound:,})"
+        else:
+            ratio = "no GRPO run that long"
+        out.append(f"| {head} | {hit[0]:,} | {hit[1]:,.0f} | {ratio} |")
+    return out
+
+
+def plot(rows: list, base: list, path: Path, x: str = "images", first: dict = None):
+    """One panel per algorithm: every run's held-out exact against images trained (or wall-clock seconds), with the base
+    model on the same noises (a CFG-1 run's first eval; a CFG-4.5 run's first eval) and the base's best-of-4 (8 other
+    noises)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,19 +375,19 @@ def plot(rows: list, base: list, path: Path):
 
     algos = sorted({SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] for r in rows})
     fig, axes = plt.subplots(1, len(algos), figsize=(4 * len(algos), 4.2), sharey=True, squeeze=False)
-    first = {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
+    first = first or {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
     best4 = next((x["best_of_4"] for x in base if x["set"] == "test" and x["guidance_scale"] == 1.0), None)
     for ax, algo in zip(axes[0], algos):
         for r in rows:
             if SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] == algo and len(r["images"]) > 1:
-                ax.plot(r["images"], r["shapes_exact"], marker=".", lw=1, label=f"{r['setting']} s{r['seed']}")
+                ax.plot(r[x], r["shapes_exact"], marker=".", lw=1, label=f"{r['setting']} s{r['seed']}")
         for cfg45, style, name in ((False, ":", "base CFG 1"), (True, "--", "base CFG 4.5")):
             if cfg45 in first:
                 ax.axhline(first[cfg45], color="k", ls=style, lw=1, label=name)
         if best4 is not None:
             ax.axhline(best4, color="r", ls="-.", lw=1, label="base best-of-4")
         ax.set_title(algo)
-        ax.set_xlabel("images trained")
+        ax.set_xlabel("images trained" if x == "images" else "wall-clock seconds (one CPU core a run)")
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("held-out exact (30 prompts x 8 noises)")
     fig.tight_layout()

@@ -56,6 +56,27 @@ def test_best_of_k_is_the_mean_over_all_k_subsets_of_noises():
     assert best_of_k(exact, 1) == exact.mean()
 
 
+def test_efficiency_table_counts_images_to_the_first_eval_at_the_level_and_divides_grpo_by_them():
+    """convergence.reach skips the base's own eval (0 images) and returns the first crossing; the ratio is GRPO's images
+    over the run's, a lower bound when GRPO never got there, and nothing when GRPO did not run that long."""
+    from benchmark.convergence import efficiency_table, reach
+
+    def row(setting, exact, step=2560):
+        images = [i * step for i in range(len(exact))]
+        return {"setting": setting, "seed": 1, "device": "cpu", "images": images, "seconds": [i / 10 for i in images],
+                "shapes_exact": exact}  # fmt: skip
+
+    crd = row("crd_full_lr1e-4", [0.30, 0.20, 0.25, 0.21])
+    assert reach(crd, 0.24) == (5120, 512.0) and reach(crd, 0.26) is None
+    grpo = row("grpo_full_lr1e-4", [0.1, 0.1, 0.1, 0.1, 0.2, 0.3])  # reaches 0.24 at 12,800 images
+    table = efficiency_table([crd, grpo], 0.24)
+    assert "| 5,120 | 512 | 2.5x |" in table[2] and "| 12,800 | 1,280 | 1.0x |" in table[3]
+    slow = row("grpo", [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])  # never reaches it in 20,480 images
+    assert "> 4.0x (GRPO: not in 20,480)" in efficiency_table([crd, slow], 0.24)[2]
+    assert "no GRPO run that long" in efficiency_table([crd, row("grpo", [0.1])], 0.24)[2]
+    assert "not reached" in efficiency_table([row("nft", [0.1, 0.2])], 0.24)[2]
+
+
 def tiny_scales():
     """dry_run.Scale records for tiny Qwen-Image and FLUX.2 transformers (the real classes, small widths)."""
     import torch
