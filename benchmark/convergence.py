@@ -289,6 +289,7 @@ def cmd_table(args, sets):
     finals = []
     for sweep in sorted(args.results.glob("*/final.jsonl")):
         finals += [dict(r, sweep=sweep.parent.name) for r in read_jsonl(sweep)]
+    print("\n" + "\n".join(finals_table(finals)))
     print("\n" + "\n".join(seeds_table(finals)))
     cpu = [r for r in rows if r["device"] == "cpu" and len(r["images"]) > 1]
     level = next((r["shapes_exact"][0] for r in rows if "cfg4.5" in r["setting"]), None)
@@ -304,6 +305,23 @@ def mean_se(values) -> str:
     v = np.asarray(values, dtype=float)
     se = v.std(ddof=1) / math.sqrt(len(v)) if len(v) > 1 else float("nan")
     return f"{v.mean():+.3f} ± {se:.3f}" if len(v) > 1 else f"{v.mean():+.3f}"
+
+
+def finals_table(finals: list) -> list:
+    """Every exported model on both prompt sets, paired with the base on the same noises (± standard error over
+    prompts)."""
+    out = [
+        "| sweep | setting | seed | images | prompts | exact | vs base CFG 1 | vs base CFG 4.5 | strict | extra objects/img "
+        "| gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(finals, key=lambda r: (r["sweep"], r["setting"], r["seed"], r["set"] != "test")):
+        gains = [f"{r[f'exact_gain_{t}']:+.3f} ± {r[f'exact_gain_{t}_se']:.3f}" for t in ("cfg1", "cfg4.5")]
+        out.append(
+            f"| {r['sweep']} | {r['setting']} | {r['seed']} | {r['images']:,} | {r['set']} | {r['exact']:.3f} | "
+            f"{gains[0]} | {gains[1]} | {r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} |"
+        )
+    return out
 
 
 def seeds_table(finals: list) -> list:
