@@ -96,6 +96,10 @@ SETTINGS = {
     "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4"]),
     "grpo_full_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "grpo_cfg4.5_kl0.04_full_lr1e-4": (
+        "grpo",
+        ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--full-finetune", "--learning-rate", "1e-4"],
+    ),
 }
 
 
