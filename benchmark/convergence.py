@@ -241,8 +241,10 @@ def cmd_extract(args, sets):
         tags = acc.Tags()["scalars"]
         run_args = json.loads((run / "args.json").read_text())
         t0 = min(e.wall_time for t in tags for e in acc.Scalars(t))
+        # a resumed run evaluates its checkpoint again: one eval per step, the newest
         evals = {
-            k: acc.Scalars(f"eval/{k}") for k in ("shapes_exact", "shapes_strict", "objects_extra", "prompt_specific_gap")
+            k: list({e.step: e for e in acc.Scalars(f"eval/{k}")}.values())
+            for k in ("shapes_exact", "shapes_strict", "objects_extra", "prompt_specific_gap")
         }
         reward = [(e.step, e.value) for e in acc.Scalars("charts/reward_mean")]
         row = {
