@@ -96,6 +96,8 @@ SETTINGS = {
     "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4"]),
     "grpo_full_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
+    # GRPO-Guard's RatioNorm (arXiv 2510.22319): its remedy for a reward that falls under Flow-GRPO's biased ratios
+    "grpo_full_guard_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4", "--grpo-guard"]),
     "grpo_cfg4.5_kl0.04_full_lr1e-4": (
         "grpo",
         ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--full-finetune", "--learning-rate", "1e-4"],
@@ -230,6 +232,13 @@ def cmd_final(args, sets):
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
+def working_seconds(times: list, until: float, pause: float = 300.0) -> float:
+    """Seconds a run worked up to wall time `until`, from the sorted wall times of its logged events: a gap longer than
+    `pause` between two events (a stop and a later --resume) is left out."""
+    gaps = np.diff([t for t in times if t <= until])
+    return float(gaps[gaps <= pause].sum())
+
+
 def cmd_extract(args, sets):
     """One JSON row per run into curves.jsonl: its setting, seed, device, and every held-out evaluation (images trained,
     wall-clock seconds, exact, strict, extra objects, gap, the training reward) read from its TensorBoard events."""
@@ -240,7 +249,7 @@ def cmd_extract(args, sets):
         acc.Reload()
         tags = acc.Tags()["scalars"]
         run_args = json.loads((run / "args.json").read_text())
-        t0 = min(e.wall_time for t in tags for e in acc.Scalars(t))
+        times = sorted(e.wall_time for t in tags for e in acc.Scalars(t))
         # a resumed run evaluates its checkpoint again: one eval per step, the newest
         evals = {
             k: list({e.step: e for e in acc.Scalars(f"eval/{k}")}.values())
@@ -254,7 +263,7 @@ def cmd_extract(args, sets):
             "device": run_args.get("device") or "cpu",
             "eval_noises": run_args.get("eval_noises", 2),
             "images": [e.step for e in evals["shapes_exact"]],
-            "seconds": [round(e.wall_time - t0, 1) for e in evals["shapes_exact"]],
+            "seconds": [round(working_seconds(times, e.wall_time), 1) for e in evals["shapes_exact"]],
             **{k: [round(e.value, 4) for e in v] for k, v in evals.items()},
             # the training reward, averaged over each stretch between two evaluations
             "train_reward": [

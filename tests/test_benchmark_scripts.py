@@ -77,6 +77,14 @@ def test_efficiency_table_counts_images_to_the_first_eval_at_the_level_and_divid
     assert "not reached" in efficiency_table([row("nft", [0.1, 0.2])], 0.24)[2]
 
 
+def test_working_seconds_leaves_out_the_pause_between_a_stop_and_its_resume():
+    from benchmark.convergence import working_seconds
+
+    times = [0.0, 10.0, 20.0, 3020.0, 3030.0]  # stopped after 20 s, resumed 50 minutes later
+    assert working_seconds(times, 20.0) == 20.0 and working_seconds(times, 3030.0) == 30.0
+    assert working_seconds(times, 5.0) == 0.0
+
+
 def tiny_scales():
     """dry_run.Scale records for tiny Qwen-Image and FLUX.2 transformers (the real classes, small widths)."""
     import torch
