@@ -4,9 +4,10 @@
     python benchmark/eval_runs.py runs/<run> --seeds 0 1 2 3
 
 A training-time eval scores 60 images (30 prompts x 2 noises), so a binary metric such as `exact` moves by 1/60 per
-image and a single eval is noisy (about +-0.05). This loads each run's exported LoRA (runs/<run>/lora, what a user
-gets) into a fresh copy of the base pipeline and scores every held-out prompt with `--seeds` noise seeds (the same
-noises for the base and every run), with the metrics every eval logs. Prints one row per run, then per algorithm the
+image and a single eval is noisy (about +-0.05). This loads each run's export (runs/<run>/lora, or
+runs/<run>/transformer after --full-finetune: what a user gets) into a fresh copy of the base pipeline and scores every
+held-out prompt with `--seeds` noise seeds (the same noises for the base and every run), with the metrics every eval
+logs. Prints one row per run, then per algorithm the
 mean over its runs and the gain over the base with its standard error over runs (seeds).
 """
 
@@ -32,10 +33,14 @@ except ImportError:
 METRICS = ("shapes", "shapes_strict", "shapes_exact", "objects_extra", "prompt_specific_gap")
 
 
-def score(model: str, prompts: list, seeds: list, lora=None) -> dict:
+def score(model: str, prompts: list, seeds: list, export=None) -> dict:
+    """The metrics of `model` with `export` (a run's lora/ folder, or its transformer/ after --full-finetune) loaded
+    the way a user loads it, averaged over the held-out prompts and `seeds`."""
     pipe = models.load_pipeline(model, torch.device("cpu"))
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
+    if export is not None and export.name == "transformer":
+        pipe.transformer = type(pipe.transformer).from_pretrained(str(export))
+    elif export is not None:
+        pipe.load_lora_weights(str(export))
     encoder, rewards = common.PromptEncoder(pipe), load_rewards("shapes_clean", "cpu")
     out = defaultdict(list)
     for seed in seeds:
@@ -58,7 +63,7 @@ def score(model: str, prompts: list, seeds: list, lora=None) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run folders with an exported lora/")
+    ap.add_argument("runs", nargs="+", help="run folders with an exported lora/ (or transformer/)")
     ap.add_argument("--model", default=common.TINY_MODEL)
     ap.add_argument("--prompts", default=common.TEST_PROMPTS)
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
@@ -74,9 +79,10 @@ def main():
     print("| base | " + " | ".join(f"{base[k]:.3f}" for k in METRICS) + " |")
     by_algo = defaultdict(list)
     for run in sorted(Path(r) for r in args.runs):
-        if not (run / "lora").is_dir():
+        exports = [run / name for name in ("lora", "transformer") if (run / name).is_dir()]
+        if not exports:
             continue
-        result = score(args.model, prompts, args.seeds, run / "lora")
+        result = score(args.model, prompts, args.seeds, exports[0])
         algo = json.loads((run / "args.json").read_text()).get("exp_name", run.name)
         by_algo[algo].append(result)
         print(f"| {run.name} | " + " | ".join(f"{result[k]:.3f}" for k in METRICS) + " |", flush=True)

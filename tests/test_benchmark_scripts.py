@@ -85,6 +85,27 @@ def test_working_seconds_leaves_out_the_pause_between_a_stop_and_its_resume():
     assert working_seconds(times, 5.0) == 0.0
 
 
+def test_seeds_table_gives_mean_and_standard_error_over_seeds():
+    """The over-seeds row against a hand computation: SE = sample std (n - 1) / sqrt(n), one seed has no SE, and the
+    CFG-1 and CFG-4.5 gains are averaged over the same seeds; the training-prompt rows stay out."""
+    from benchmark.convergence import mean_se, seeds_table
+
+    assert mean_se([0.25]) == "+0.250"
+    # 0.2, 0.3, 0.4: mean 0.3, deviations -0.1 0 0.1, sample variance 0.02 / 2 = 0.01, SE = 0.1 / sqrt(3) = 0.0577
+    assert mean_se([0.2, 0.3, 0.4]) == "+0.300 ± 0.058"
+    assert mean_se([-0.01, -0.03]) == "-0.020 ± 0.010"
+
+    def final(seed, exact, split="test"):
+        gains = {"exact_gain_cfg1": exact - 0.15, "exact_gain_cfg4.5": exact - 0.20, "extra_gain_cfg4.5": 0.1 * seed}
+        return {"sweep": "leg2", "setting": "crd_full", "seed": seed, "set": split, "images": 20480, "exact": exact, **gains}
+
+    rows = seeds_table([final(1, 0.26), final(2, 0.24), final(1, 0.9, "train")])
+    assert len(rows) == 3
+    assert (
+        rows[2] == "| leg2 | crd_full | 2 | 20,480/20,480 | 0.250 ± 0.010 | +0.100 ± 0.010 | +0.050 ± 0.010 | +0.150 ± 0.050 |"
+    )
+
+
 def tiny_scales():
     """dry_run.Scale records for tiny Qwen-Image and FLUX.2 transformers (the real classes, small widths)."""
     import torch
