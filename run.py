@@ -265,6 +265,10 @@ def check_args(args, fresh: bool = True):
         raise UserError("--guidance-scale-2 is used by CFG only: pass --guidance-scale > 1 (or --eval-guidance-scale > 1)")
     if "lora_targets" in fields and args.lora_targets is not None and not args.lora_targets:
         raise UserError("--lora-targets: name at least one module")
+    if fresh and fields.get("full_finetune") and type(args)().full_finetune and "full_finetune" not in given_flags(args):
+        # not asked for either way: a LoRA when a LoRA flag is given, else models.trainable_params decides by the
+        # transformer's size (None until then; the run's args.json and checkpoints hold what it decided)
+        args.full_finetune = False if given_flags(args) & set(LORA_ARGS) else None
     if fields.get("full_finetune"):
         lora_flags = sorted(given_flags(args) & set(LORA_ARGS))
         if lora_flags:

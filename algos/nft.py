@@ -21,6 +21,9 @@ import models  # noqa: E402,F401  (registers the model families with common)
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
+# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+LEARNING_RATES = {"full": 1e-4, "lora": 3e-3}
+
 
 @dataclass
 class Args:
@@ -117,8 +120,8 @@ class Args:
     """rollout dynamics"""
     eta: float = 0.7
     """noise level of the SDE dynamics"""
-    full_finetune: bool = False
-    """train every transformer weight (fp32), no LoRA"""
+    full_finetune: bool = True
+    """train every transformer weight (fp32), no LoRA; by default only under 50M weights (the tiny models)"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
@@ -127,8 +130,8 @@ class Args:
     """modules that get LoRA; default the family's"""
 
     # Optimizer & batch
-    learning_rate: float = 3e-3
-    """AdamW learning rate"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; default 1e-4 with every weight trained, 3e-3 with a LoRA"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -367,6 +370,8 @@ def main(args: Args):
     transformer = pipe.transformer
     torch.manual_seed(args.seed)  # identical LoRA init on every rank
     params = models.trainable_params(transformer, args)
+    if args.learning_rate is None:
+        args.learning_rate = LEARNING_RATES["full" if args.full_finetune else "lora"]
     distributed.check_same_on_all_ranks(params)
     if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
         params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)

@@ -448,7 +448,9 @@ def cmd_train(args, sets):
                 cmd = ["--resume", str(run), "--num-epochs", str(args.epochs)]
             else:
                 every = ["--eval-every", str(args.eval_every), "--save-every", str(args.eval_every)]
-                cmd = [*PROTOCOL, *every, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
+                # the LoRA settings ran when a LoRA was every file's default; they still train one
+                lora = [] if "--full-finetune" in flags or algo == "grpo" else ["--no-full-finetune"]
+                cmd = [*PROTOCOL, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
                 cmd += ["--exp-name", name, "--output-dir", str(out)]
             queue.append((f"{name}__{seed}", [sys.executable, str(REPO / "algos" / f"{algo}.py"), *cmd]))
     (args.results / "logs").mkdir(parents=True, exist_ok=True)

@@ -245,6 +245,12 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: Optional[Sequ
 _FROZEN_BASE = weakref.WeakKeyDictionary()
 
 
+# The default of --full-finetune: a LoRA of the 2.3M-weight tiny models learns little (on tiny-shapes no LoRA setting
+# passed the CFG-4.5 base beyond noise; every weight at lr 1e-4 did, benchmark/results/convergence), while every weight
+# of a large model in fp32 with AdamW's two moments needs 16 bytes per weight (40 GB for SD3.5-M's 2.5B).
+FULL_FINETUNE_BELOW = 50_000_000
+
+
 def trainable_params(transformer, args) -> list:
     """What the scripts train: a peft LoRA (`add_lora` with --lora-rank/--lora-alpha/--lora-targets), or with
     --full-finetune every transformer weight.
@@ -252,7 +258,12 @@ def trainable_params(transformer, args) -> list:
     Full fine-tuning keeps the weights as they were loaded (--base-dtype, exact) as the frozen base model that
     `reference_model` swaps in, then makes the transformer's weights fp32 master weights (bf16 rounding would swallow
     updates of lr x |grad| below 2^-8 of a weight; the forwards still run in bf16 under --mixed-precision). Returns the
-    trainable parameters."""
+    trainable parameters.
+
+    `args.full_finetune` None (`run.check_args` sets it where the default was left alone) is decided here and written
+    back: every weight of a transformer under FULL_FINETUNE_BELOW weights, a LoRA of a larger one."""
+    if getattr(args, "full_finetune", False) is None:
+        args.full_finetune = sum(p.numel() for p in transformer.parameters()) < FULL_FINETUNE_BELOW
     if not getattr(args, "full_finetune", False):
         return add_lora(transformer, args.lora_rank, args.lora_alpha, args.lora_targets)
     base = [p.detach().clone() for p in transformer.parameters()]

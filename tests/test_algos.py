@@ -14,7 +14,8 @@ from conftest import HANG_S, kill_group, run_in_process, run_script, start_scrip
 import common
 from run import load_checkpoint
 
-TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1".split()
+# A LoRA, the path of every real model (tests/test_full_finetune.py trains every weight, the tiny models' default).
+TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1 --no-full-finetune".split()
 # Per-algorithm flags that keep a run small: the one place to edit them. One reference run per algorithm with these
 # flags serves the smoke, resume, kill/interrupt and 2-rank tests, so they also keep each optimizer step to one
 # backward per rank on 2 ranks (one trained timestep, one micro-batch per rank; see test_two_ranks_match_one_process).

@@ -20,7 +20,10 @@ import run
 from algos import awm, crd, dgpo, grpo, nft
 
 ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
-TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1".split()
+TINY = (
+    "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --no-full-finetune"
+)
+TINY = TINY.split()  # a LoRA, as on a real model (the tiny models' default trains every weight)
 # what makes TINY valid for a script (GRPO's default 4 SDE steps do not fit the window of 4 steps): only the case's own
 # flag may be wrong
 VALID = {"grpo": ["--num-sde-steps", "1"]}

@@ -50,6 +50,7 @@ def trained(tmp_path_factory):
     (tmp / "test.txt").write_text("a red circle\ntwo squares\n")
     nft = load_algo("nft")
     args = nft.Args(
+        full_finetune=False,  # a LoRA, as on a real model (the tiny model's default trains every weight)
         num_prompts=2,
         group_size=4,
         micro_batch=4,

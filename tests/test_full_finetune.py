@@ -248,3 +248,68 @@ def test_reference_model_refuses_parameters_replaced_after_trainable_params():
     with pytest.raises(RuntimeError, match="frozen base no longer matches"):
         with models.reference_model(pipe.transformer):
             pass
+
+
+def decided(args_class, argv, transformer, monkeypatch=None, below=None):
+    """What a fresh run decides for --full-finetune and its learning rate: `run.check_args` on the parsed `argv`, then
+    `models.trainable_params` on `transformer` (with FULL_FINETUNE_BELOW set to `below` when given)."""
+    import tyro
+
+    args = tyro.cli(args_class, args=argv)
+    run._CLI["argv"] = argv
+    try:
+        run.check_args(args)
+    finally:
+        run._CLI["argv"] = None
+    if below is not None:
+        monkeypatch.setattr(models, "FULL_FINETUNE_BELOW", below)
+    params = models.trainable_params(transformer, args)
+    return args.full_finetune, sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize(
+    ("argv", "below", "full"),
+    [
+        ([], None, True),  # the tiny model (2.3M weights): every weight
+        ([], 1_000_000, False),  # a transformer over the threshold (SD3.5-M's 2.5B over 50M): a LoRA
+        (["--full-finetune"], 1_000_000, True),  # asked for: every weight whatever the size
+        (["--no-full-finetune"], None, False),
+        (["--lora-rank", "8"], None, False),  # a LoRA flag asks for a LoRA
+    ],
+)
+def test_default_trains_every_weight_of_a_small_transformer_and_a_lora_of_a_large_one(argv, below, full, monkeypatch):
+    total = sum(p.numel() for p in tiny().transformer.parameters())
+    assert models.FULL_FINETUNE_BELOW > total  # the embedded tiny models are under it
+    got, trained = decided(crd.Args, argv, tiny().transformer, monkeypatch, below)
+    assert got is full and (trained == total) is full
+
+
+def test_grpo_trains_a_lora_by_default():
+    from algos import grpo
+
+    assert decided(grpo.Args, [], tiny().transformer) == (
+        False,
+        decided(grpo.Args, ["--lora-rank", "16"], tiny().transformer)[1],
+    )
+
+
+@pytest.mark.parametrize(("algo", "lora_lr"), [("crd", 1e-3), ("nft", 3e-3), ("dgpo", 1e-3), ("awm", 1e-3)])
+def test_default_learning_rate_follows_what_is_trained(algo, lora_lr, prompt_dir, tmp_path):
+    """A run left at the defaults records what it decided in args.json (a resume reads it back): every weight at lr
+    1e-4 on the tiny model, the file's LoRA learning rate with --no-full-finetune; an explicit rate wins."""
+    import importlib
+
+    module = importlib.import_module(f"algos.{algo}")
+    for flags, full, lr in (
+        ([], True, 1e-4),
+        (["--no-full-finetune"], False, lora_lr),
+        (["--learning-rate", "3e-4"], True, 3e-4),
+    ):
+        out = tmp_path / "-".join(flags or ["default"])
+        argv = script_argv(algo, prompt_dir, out, "--num-epochs", "1", "--eval-every", "100", *flags)[1:]
+        argv = [a for a in argv if a != "--no-full-finetune"] + flags  # the tiny flags ask for a LoRA: the default here
+        assert run_in_process(module, argv) in (0, None)
+        (run_dir,) = out.iterdir()
+        saved = json.loads((run_dir / "args.json").read_text())
+        assert (saved["full_finetune"], saved["learning_rate"]) == (full, lr)
+        assert (run_dir / ("transformer" if full else "lora")).is_dir()

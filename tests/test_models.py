@@ -193,6 +193,7 @@ def train(algo: str, family: str, family_dirs, tmp_path, **overrides):
         train_prompts=str(tmp_path / "prompts.txt"),
         test_prompts=str(tmp_path / "prompts.txt"),
         output_dir=str(tmp_path / "runs"),
+        full_finetune=False,  # the tiny families stand in for the real ones, which train a LoRA by default
     )
     args = module.Args(**{**fields, **per_algo, **overrides})
     pipes, export = [], run.export_lora
