@@ -102,7 +102,14 @@ SETTINGS = {
         "grpo",
         ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--full-finetune", "--learning-rate", "1e-4"],
     ),
+    # why GRPO with every weight falls: a lower learning rate, a KL to the base, and a control whose advantages are
+    # shuffled across the batch (no reward signal, the same update noise; benchmark/shuffled_advantages.py)
+    "grpo_full_lr1e-5": ("grpo", ["--full-finetune", "--learning-rate", "1e-5"]),
+    "grpo_full_kl0.04_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.04"]),
+    "grpo_full_shuffled_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
 }
+# settings that run an algorithm file through a wrapper script instead of directly
+SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "shuffled_advantages.py"}
 
 
 def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS) -> dict:
@@ -452,7 +459,8 @@ def cmd_train(args, sets):
                 lora = [] if "--full-finetune" in flags or algo == "grpo" else ["--no-full-finetune"]
                 cmd = [*PROTOCOL, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
                 cmd += ["--exp-name", name, "--output-dir", str(out)]
-            queue.append((f"{name}__{seed}", [sys.executable, str(REPO / "algos" / f"{algo}.py"), *cmd]))
+            script = SCRIPTS.get(name, REPO / "algos" / f"{algo}.py")
+            queue.append((f"{name}__{seed}", [sys.executable, str(script), *cmd]))
     (args.results / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
     t0, running, stopping = time.time(), [], False
