@@ -56,6 +56,21 @@ def test_best_of_k_is_the_mean_over_all_k_subsets_of_noises():
     assert best_of_k(exact, 1) == exact.mean()
 
 
+def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_the_same_batch():
+    """The GRPO control run's advantages are exactly GRPO's, in another order: the same values (so the update has
+    GRPO's size), not the same order (so no reward signal), and the same order again for the same rewards (resume)."""
+    import torch
+
+    from benchmark import shuffled_advantages as control
+
+    scores = {"shapes_clean": torch.rand(64, generator=torch.Generator().manual_seed(0))}
+    real = control.real_advantages(scores, {"shapes_clean": 1.0}, 8)
+    shuffled = control.grpo.aggregate_advantages(scores, {"shapes_clean": 1.0}, 8)
+    assert torch.equal(shuffled.sort().values, real.sort().values)
+    assert (shuffled != real).float().mean() > 0.5
+    assert torch.equal(shuffled, control.grpo.aggregate_advantages(scores, {"shapes_clean": 1.0}, 8))
+
+
 def test_efficiency_table_counts_images_to_the_first_eval_at_the_level_and_divides_grpo_by_them():
     """convergence.reach skips the base's own eval (0 images) and returns the first crossing; the ratio is GRPO's images
     over the run's, a lower bound when GRPO never got there, and nothing when GRPO did not run that long."""
