@@ -181,12 +181,12 @@ def append(path: Path, row: dict):
         f.write(json.dumps(row) + "\n")
 
 
-def base_scores(model: str, sets: dict, guidance_scale: float, cache: dict = {}) -> dict:  # noqa: B006 - a deliberate cache
-    key = (model, guidance_scale)
+def base_scores(model: str, sets: dict, guidance_scale: float, noises: int = NOISES, cache: dict = {}) -> dict:  # noqa: B006 - a deliberate cache
+    key = (model, guidance_scale, noises, tuple(sets))
     if key not in cache:
         pipe = models.load_pipeline(model, torch.device("cpu"))
         encoder = common.PromptEncoder(pipe)
-        cache[key] = {name: score(pipe, encoder, prompts, guidance_scale) for name, prompts in sets.items()}
+        cache[key] = {name: score(pipe, encoder, prompts, guidance_scale, noises) for name, prompts in sets.items()}
     return cache[key]
 
 
@@ -214,16 +214,26 @@ def images_trained(run: Path) -> int:
 
 
 def cmd_final(args, sets):
-    """Each run's export (runs/<run>/lora, or runs/<run>/transformer after --full-finetune: what a user loads) in a
-    fresh base pipeline, at the run's own eval guidance scale, on both prompt sets, paired with the base at CFG 1 and at
-    CFG 4.5 on the same noises."""
+    """Each run's export (runs/<run>/lora, or runs/<run>/transformer after --full-finetune: what a user loads; or a
+    committed copy of it, a folder with args.json next to it) in a fresh base pipeline, at the run's own eval guidance
+    scale, on both prompt sets (`--sets`), `--noises` noises each, paired with the base at CFG 1 and at CFG 4.5 on the
+    same noises. Each row keeps the per-prompt paired exact gains, so that gains can be pooled over seeds per prompt."""
     from diffusers.utils import logging
 
     logging.set_verbosity_error()  # the LoRA has no text-encoder part, which load_lora_weights mentions
     done = set()
     if (args.results / "final.jsonl").exists():
         done = {json.loads(line)["run"] for line in (args.results / "final.jsonl").read_text().splitlines()}
-    bases = {"cfg1": base_scores(args.model, sets, 1.0), "cfg4.5": base_scores(args.model, sets, 4.5)}
+    sets = {name: prompts for name, prompts in sets.items() if name in args.sets}
+    bases = {tag: base_scores(args.model, sets, cfg, args.noises) for tag, cfg in (("cfg1", 1.0), ("cfg4.5", 4.5))}
+    for name in sets:  # the base's own means on these noises, once per results folder
+        if not any(r.get("model") == "base" and r["set"] == name for r in read_jsonl(args.results / "base.jsonl")):
+            for tag, cfg in (("cfg1", 1.0), ("cfg4.5", 4.5)):
+                m = bases[tag][name]
+                row = {"model": "base", "guidance_scale": cfg, "set": name, "prompts": m["exact"].shape[1]}
+                row.update({"noises": args.noises, **summary(m)})
+                row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8) if k <= args.noises})
+                append(args.results / "base.jsonl", row)
     for run in map(Path, args.runs):
         if run.name in done or not any((run / d).is_dir() for d in ("lora", "transformer")):
             continue
@@ -235,11 +245,15 @@ def cmd_final(args, sets):
         else:
             pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
+        # a committed copy has no TensorBoard events: its images are the run's planned ones
+        images = images_trained(run) or run_args["num_epochs"] * run_args["num_prompts"] * run_args["group_size"]
         for name, prompts in sets.items():
-            m = score(pipe, encoder, prompts, cfg)
+            m = score(pipe, encoder, prompts, cfg, args.noises)
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
-            row.update({"images": images_trained(run), "guidance_scale": cfg, "set": name})
+            row.update({"images": images, "guidance_scale": cfg, "set": name, "noises": args.noises})
             row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
+            for tag, b in bases.items():
+                row[f"exact_gain_{tag}_per_prompt"] = (m["exact"] - b[name]["exact"]).mean(0).round(6).tolist()
             append(args.results / "final.jsonl", row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
@@ -355,8 +369,9 @@ def seeds_table(finals: list) -> list:
     """Each setting's exported weights on the held-out prompts, over its seeds: mean ± standard error over seeds (the
     issue's test: a gain beyond two standard errors over seeds), next to the gains over the base on the same noises."""
     out = [
-        "| sweep | setting | seeds | images | exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img vs CFG 4.5 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sweep | setting | seeds | images | noises | exact | vs base CFG 1 | vs base CFG 4.5 | vs base CFG 4.5, ± over "
+        "prompts | extra objects/img vs CFG 4.5 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = defaultdict(list)
     for r in finals:
@@ -367,7 +382,16 @@ def seeds_table(finals: list) -> list:
         cells = [mean_se([r[f"{k}_gain_{t}"] for r in rs]) for k, t in (("exact", "cfg1"), ("exact", "cfg4.5"))]
         extra = mean_se([r["extra_gain_cfg4.5"] for r in rs])
         images = "/".join(f"{r['images']:,}" for r in rs)
-        out.append(f"| {sweep} | {setting} | {len(rs)} | {images} | {exact} | {cells[0]} | {cells[1]} | {extra} |")
+        # the same gain with its standard error over prompts of the seeds' mean per-prompt gain: it carries the noise
+        # of the base's own estimate on these images, which the error over seeds (one base for every seed) leaves out
+        pooled = "-"
+        if all("exact_gain_cfg4.5_per_prompt" in r for r in rs):
+            pooled = mean_se(list(np.mean([r["exact_gain_cfg4.5_per_prompt"] for r in rs], axis=0)))
+        noises = rs[0].get("noises", NOISES)
+        out.append(
+            f"| {sweep} | {setting} | {len(rs)} | {images} | {noises} | {exact} | {cells[0]} | {cells[1]} | {pooled} | "
+            f"{extra} |"
+        )
     return out
 
 
@@ -530,6 +554,8 @@ def main():
     ap.add_argument("--stop-after", type=float, default=0, help="train: seconds, then every run checkpoints and stops")
     ap.add_argument("--model", default=common.TINY_MODEL)
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--noises", type=int, default=NOISES, help="final: noises per prompt (noise n: seed 1000 n)")
+    ap.add_argument("--sets", nargs="+", default=["test", "train"], choices=["test", "train"], help="final: prompt sets")
     args = ap.parse_args()
     torch.set_num_threads(1)
     sets = prompt_sets()

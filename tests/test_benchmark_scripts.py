@@ -116,9 +116,14 @@ def test_seeds_table_gives_mean_and_standard_error_over_seeds():
 
     rows = seeds_table([final(1, 0.26), final(2, 0.24), final(1, 0.9, "train")])
     assert len(rows) == 3
-    assert (
-        rows[2] == "| leg2 | crd_full | 2 | 20,480/20,480 | 0.250 ± 0.010 | +0.100 ± 0.010 | +0.050 ± 0.010 | +0.150 ± 0.050 |"
+    assert rows[2] == (
+        "| leg2 | crd_full | 2 | 20,480/20,480 | 8 | 0.250 ± 0.010 | +0.100 ± 0.010 | +0.050 ± 0.010 | - | +0.150 ± 0.050 |"
     )
+    # pooled over prompts: the seeds' per-prompt gains [.1 0 .2] and [0 0 .2] average to [.05 0 .2]: mean 0.0833, sample
+    # std 0.1041, SE 0.1041 / sqrt(3) = 0.060
+    one, two = final(1, 0.26), final(2, 0.24)
+    one["exact_gain_cfg4.5_per_prompt"], two["exact_gain_cfg4.5_per_prompt"] = [0.1, 0.0, 0.2], [0.0, 0.0, 0.2]
+    assert seeds_table([one, two])[2].split(" | ")[8] == "+0.083 ± 0.060"
 
 
 def tiny_scales():
