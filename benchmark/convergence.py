@@ -238,7 +238,7 @@ def cmd_final(args, sets):
         if run.name in done or not any((run / d).is_dir() for d in ("lora", "transformer")):
             continue
         run_args = json.loads((run / "args.json").read_text())
-        cfg = run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
+        cfg = args.guidance_scale or run_args.get("eval_guidance_scale") or run_args.get("guidance_scale", 1.0)
         pipe = models.load_pipeline(args.model, torch.device("cpu"))
         if (run / "transformer").is_dir():
             pipe.transformer = type(pipe.transformer).from_pretrained(str(run / "transformer"))
@@ -555,6 +555,7 @@ def main():
     ap.add_argument("--model", default=common.TINY_MODEL)
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--noises", type=int, default=NOISES, help="final: noises per prompt (noise n: seed 1000 n)")
+    ap.add_argument("--guidance-scale", type=float, default=0, help="final: sample at this CFG (default: the run's own)")
     ap.add_argument("--sets", nargs="+", default=["test", "train"], choices=["test", "train"], help="final: prompt sets")
     args = ap.parse_args()
     torch.set_num_threads(1)
