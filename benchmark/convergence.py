@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,15 @@ def images_trained(run: Path) -> int:
     )
 
 
+def images_in_card(run: Path) -> int:
+    """Images the export was trained on, from its model card ("... after 20480 training images"); 0 if none says."""
+    for card in (run / "transformer" / "README.md", run / "lora" / "README.md"):
+        found = re.search(r"after (\d+) training images", card.read_text()) if card.exists() else None
+        if found:
+            return int(found.group(1))
+    return 0
+
+
 def cmd_final(args, sets):
     """Each run's export (runs/<run>/lora, or runs/<run>/transformer after --full-finetune: what a user loads; or a
     committed copy of it, a folder with args.json next to it) in a fresh base pipeline, at the run's own eval guidance
@@ -245,8 +255,7 @@ def cmd_final(args, sets):
         else:
             pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
-        # a committed copy has no TensorBoard events: its images are the run's planned ones
-        images = images_trained(run) or run_args["num_epochs"] * run_args["num_prompts"] * run_args["group_size"]
+        images = images_trained(run) or images_in_card(run)  # a committed copy has no TensorBoard events
         for name, prompts in sets.items():
             m = score(pipe, encoder, prompts, cfg, args.noises)
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
@@ -311,7 +320,8 @@ def cmd_table(args, sets):
     base = read_jsonl(args.results / "base.jsonl")
     print("| model | prompts | exact | strict | extra objects/img | gap | best-of-4 exact | best-of-8 exact |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in base:
+    # the base scored by `final --noises N` into a sweep folder of its own comes after the protocol's 8-noise rows
+    for r in base + [r for path in sorted(args.results.glob("*/base.jsonl")) for r in read_jsonl(path)]:
         print(
             f"| base, CFG {r['guidance_scale']:g} | {r['set']} ({r['prompts']} x {r['noises']} noises) | {r['exact']:.3f} | "
             f"{r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} | {r['best_of_4']:.3f} | {r['best_of_8']:.3f} |"

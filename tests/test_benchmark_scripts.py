@@ -71,6 +71,15 @@ def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_
     assert torch.equal(shuffled, control.grpo.aggregate_advantages(scores, {"shapes_clean": 1.0}, 8))
 
 
+def test_images_of_a_committed_export_come_from_its_model_card(tmp_path):
+    from benchmark.convergence import images_in_card
+
+    assert images_in_card(tmp_path) == 0
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "README.md").write_text("Held-out prompts, CFG 1.0, after 20480 training images:\n")
+    assert images_in_card(tmp_path) == 20480
+
+
 def test_efficiency_table_counts_images_to_the_first_eval_at_the_level_and_divides_grpo_by_them():
     """convergence.reach skips the base's own eval (0 images) and returns the first crossing; the ratio is GRPO's images
     over the run's, a lower bound when GRPO never got there, and nothing when GRPO did not run that long."""
