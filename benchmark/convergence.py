@@ -568,6 +568,14 @@ def main():
     ap.add_argument("--guidance-scale", type=float, default=0, help="final: sample at this CFG (default: the run's own)")
     ap.add_argument("--sets", nargs="+", default=["test", "train"], choices=["test", "train"], help="final: prompt sets")
     args = ap.parse_args()
+    if args.noises < 1:
+        ap.error(f"--noises {args.noises}: must be >= 1")
+    if args.guidance_scale < 0:
+        ap.error(f"--guidance-scale {args.guidance_scale:g}: must be >= 0 (0: each run's own)")
+    if args.command in ("final", "extract"):
+        missing = [r for r in args.runs if not (Path(r) / "args.json").is_file()]
+        if missing:
+            ap.error(f"{missing[0]}: not a run folder (no args.json)")
     torch.set_num_threads(1)
     sets = prompt_sets()
     commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}

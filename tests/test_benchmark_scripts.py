@@ -292,3 +292,21 @@ def test_full_size_configs_have_the_published_sizes():
     assert 32.0e9 < model_counts(flux2)["params"] < 32.5e9
     assert round(component_params(qwen.text_encoder) / 1e9, 2) == 8.29
     assert 23.5e9 < component_params(flux2.text_encoder) < 24.5e9
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["final", "{tmp}/no_run"], "{tmp}/no_run: not a run folder (no args.json)"),
+        (["final", "{export}", "--noises", "0"], "--noises 0: must be >= 1"),
+        (["final", "{export}", "--guidance-scale", "-1"], "--guidance-scale -1: must be >= 0 (0: each run's own)"),
+    ],
+)
+def test_convergence_final_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
+    export = REPO / "benchmark" / "results" / "convergence" / "leg2" / "crd_full_lr1e-4__s1"
+    fill = {"tmp": tmp_path, "export": export}
+    results = tmp_path / "results"
+    argv = ["benchmark/convergence.py", *(a.format(**fill) for a in argv), "--results", results]
+    r = run_script(argv, check=False, timeout=120)
+    assert r.returncode == 2 and not results.exists()
+    assert r.stderr.strip().splitlines()[-1] == f"convergence.py: error: {message.format(**fill)}"
