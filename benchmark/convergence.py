@@ -191,12 +191,19 @@ def base_scores(model: str, sets: dict, guidance_scale: float, noises: int = NOI
     return cache[key]
 
 
+def base_row(m: dict, guidance_scale: float, name: str) -> dict:
+    """The base's row of base.jsonl: its means on one prompt set and best-of-k for every k up to its noises."""
+    prompts, noises = m["exact"].shape[1], m["exact"].shape[0]
+    row = {"model": "base", "guidance_scale": guidance_scale, "set": name, "prompts": prompts, "noises": noises}
+    row.update(summary(m))
+    row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8) if k <= noises})
+    return row
+
+
 def cmd_base(args, sets):
     for cfg in (1.0, 4.5):
         for name, m in base_scores(args.model, sets, cfg).items():
-            row = {"model": "base", "guidance_scale": cfg, "set": name, "prompts": m["exact"].shape[1], "noises": NOISES}
-            row.update(summary(m))
-            row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8)})
+            row = base_row(m, cfg, name)
             append(args.results / "base.jsonl", row)
             print(json.dumps(row))
 
@@ -239,11 +246,7 @@ def cmd_final(args, sets):
     for name in sets:  # the base's own means on these noises, once per results folder
         if not any(r.get("model") == "base" and r["set"] == name for r in read_jsonl(args.results / "base.jsonl")):
             for tag, cfg in (("cfg1", 1.0), ("cfg4.5", 4.5)):
-                m = bases[tag][name]
-                row = {"model": "base", "guidance_scale": cfg, "set": name, "prompts": m["exact"].shape[1]}
-                row.update({"noises": args.noises, **summary(m)})
-                row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8) if k <= args.noises})
-                append(args.results / "base.jsonl", row)
+                append(args.results / "base.jsonl", base_row(bases[tag][name], cfg, name))
     for run in map(Path, args.runs):
         if run.name in done or not any((run / d).is_dir() for d in ("lora", "transformer")):
             continue
@@ -324,7 +327,8 @@ def cmd_table(args, sets):
     for r in base + [r for path in sorted(args.results.glob("*/base.jsonl")) for r in read_jsonl(path)]:
         print(
             f"| base, CFG {r['guidance_scale']:g} | {r['set']} ({r['prompts']} x {r['noises']} noises) | {r['exact']:.3f} | "
-            f"{r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} | {r['best_of_4']:.3f} | {r['best_of_8']:.3f} |"
+            f"{r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} | {r.get('best_of_4', math.nan):.3f} | "
+            f"{r.get('best_of_8', math.nan):.3f} |"
         )
     rows = []
     for sweep in sorted(args.results.glob("*/curves.jsonl")):

@@ -310,3 +310,16 @@ def test_convergence_final_bad_inputs_exit_2_writing_nothing(tmp_path, argv, mes
     r = run_script(argv, check=False, timeout=120)
     assert r.returncode == 2 and not results.exists()
     assert r.stderr.strip().splitlines()[-1] == f"convergence.py: error: {message.format(**fill)}"
+
+
+def test_base_row_gives_best_of_k_only_up_to_its_noises():
+    import numpy as np
+
+    from benchmark.convergence import METRICS, base_row, best_of_k
+
+    rng = np.random.default_rng(0)
+    m = {k: (rng.random((4, 30)) < 0.3).astype(float) for k in METRICS}
+    row = base_row(m, 4.5, "test")
+    assert (row["noises"], row["prompts"], row["guidance_scale"]) == (4, 30, 4.5)
+    assert row["exact"] == m["exact"].mean() and row["best_of_4"] == best_of_k(m["exact"], 4)
+    assert "best_of_8" not in row
