@@ -5,6 +5,7 @@
     python benchmark/convergence.py final RUN [RUN ...]                    # each run's exported LoRA, both prompt sets
     python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
     python benchmark/convergence.py roundtrip                              # rendered scenes through the VAE and the scorer
+    python benchmark/convergence.py train crd nft --task ocr --epochs 100  # the same protocol on tiny-text OCR
 
 Runs are trained by the algorithm files with `--keep-checkpoints` large enough to keep every save (the commands are in
 benchmark/results/convergence/README.md). `curves` loads each checkpoint's trainable weights (the eval EMA when the run
@@ -19,6 +20,11 @@ objects and nothing else), strict (GenEval's all requirements met), extra object
 ceiling that RL turning "sometimes" into "every time" should approach.
 
 Results are appended to benchmark/results/convergence/{base,curves}.jsonl (one JSON row per model x checkpoint x set).
+
+`--task ocr` runs the same protocol on tiny-text with the `ocr` reward (the file defaults plus the model, reward and
+prompt files of `TASKS`), into benchmark/results/convergence/ocr/: there "exact" is the word read exactly (the
+in-run `ocr_strict`), "score" the OCR reward (1 - edit distance / length), "gap" the score minus the score of the
+same image against another test word; the test set is the 64 held-out words x 4 noises in-run.
 """
 
 import argparse
@@ -39,15 +45,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import rewards  # noqa: E402
 from rewards import shapes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "convergence"
 NOISES = 8
 NUM_TRAIN_SAMPLE = 30
-METRICS = ("exact", "strict", "extra", "gap", "score")
 REPO = Path(__file__).resolve().parents[1]
 # every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
-PROTOCOL = ["--eval-noises", "8", "--keep-checkpoints", "2"]
+OCR_RESULTS = RESULTS / "ocr"
 
 ATTN = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 FF = ["--lora-targets", *ATTN, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
@@ -118,13 +124,6 @@ SETTINGS = {
 SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "shuffled_advantages.py"}
 
 
-def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS) -> dict:
-    """The held-out prompts and a fixed sample of the training prompts (every 6th of the 188, so all categories)."""
-    train = common.load_prompts(train_file)
-    step = max(1, len(train) // NUM_TRAIN_SAMPLE)
-    return {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
-
-
 def shapes_metrics(images, prompts):
     m = shapes.evaluate(images, prompts, [shapes.wrong_prompt(p) for p in prompts])
     return {
@@ -136,7 +135,57 @@ def shapes_metrics(images, prompts):
     }
 
 
-def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES) -> dict:
+def ocr_metrics(images, prompts, reward={}):  # noqa: B006 - a deliberate cache of the OCR model
+    """exact: the word read exactly; score: the OCR reward; gap: score minus the same image's score for the next
+    prompt's word (an image that spells any word scores on both)."""
+    if "ocr" not in reward:
+        reward["ocr"] = rewards.load_rewards("ocr", torch.device("cpu"))
+    prompts = list(prompts)
+    score = reward["ocr"].evaluate(images, prompts)["ocr"].float()
+    wrong = reward["ocr"].evaluate(images, prompts[1:] + prompts[:1])["ocr"].float()
+    return {"exact": (score == 1).float(), "score": score, "gap": score - wrong}
+
+
+# what differs between the tiny-shapes protocol and tiny-text OCR: the model, prompt files and run flags, the metrics,
+# the in-run eval tags a curve is read from (metric -> TensorBoard tag), and where the results go
+TASKS = {
+    "shapes": {
+        "model": common.TINY_MODEL,
+        "train": common.TRAIN_PROMPTS,
+        "test": common.TEST_PROMPTS,
+        "flags": [],
+        "eval_noises": "8",
+        "metrics": shapes_metrics,
+        "tags": {
+            "shapes_exact": "shapes_exact",
+            "shapes_strict": "shapes_strict",
+            "objects_extra": "objects_extra",
+            "prompt_specific_gap": "prompt_specific_gap",
+        },
+        "results": RESULTS,
+    },
+    "ocr": {
+        "model": str(REPO / "assets" / "tiny-text"),
+        "train": str(REPO / "assets" / "text_train.jsonl"),
+        "test": str(REPO / "assets" / "text_test.jsonl"),
+        "flags": ["--reward", "ocr"],
+        "eval_noises": "4",
+        "metrics": ocr_metrics,
+        "tags": {"exact": "ocr_strict", "score": "ocr"},
+        "results": OCR_RESULTS,
+    },
+}
+
+
+def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS) -> dict:
+    """The held-out prompts and a fixed sample of 30 training prompts, evenly spaced (every 6th of the 188 shapes
+    prompts, so all categories)."""
+    train = common.load_prompts(train_file)
+    step = max(1, len(train) // NUM_TRAIN_SAMPLE)
+    return {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
+
+
+def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics) -> dict:
     """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model."""
     out = defaultdict(list)
     for n in range(noises):
@@ -145,14 +194,14 @@ def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES) -
             pipe.transformer,
             encoder,
             prompts,
-            shapes_metrics,
+            metrics,
             num_steps=10,
             guidance_scale=guidance_scale,
             seed=1000 * n,
             repeats=1,
             progress=False,
         )
-        for k in METRICS:
+        for k in s:
             out[k].append(s[k].float().numpy())
     return {k: np.stack(v) for k, v in out.items()}
 
@@ -169,7 +218,7 @@ def summary(m: dict, bases: dict = ()) -> dict:
     on the same noise, averaged over noises per prompt)."""
     row = {k: float(v.mean()) for k, v in m.items()}
     for tag, base in dict(bases).items():
-        for k in METRICS:
+        for k in m:
             d = (m[k] - base[k]).mean(0)
             row[f"{k}_gain_{tag}"] = float(d.mean())
             row[f"{k}_gain_{tag}_se"] = float(d.std(ddof=1) / math.sqrt(len(d)))
@@ -182,12 +231,14 @@ def append(path: Path, row: dict):
         f.write(json.dumps(row) + "\n")
 
 
-def base_scores(model: str, sets: dict, guidance_scale: float, noises: int = NOISES, cache: dict = {}) -> dict:  # noqa: B006 - a deliberate cache
+def base_scores(
+    model: str, sets: dict, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics, cache: dict = {}
+) -> dict:  # noqa: B006 - a deliberate cache
     key = (model, guidance_scale, noises, tuple(sets))
     if key not in cache:
         pipe = models.load_pipeline(model, torch.device("cpu"))
         encoder = common.PromptEncoder(pipe)
-        cache[key] = {name: score(pipe, encoder, prompts, guidance_scale, noises) for name, prompts in sets.items()}
+        cache[key] = {name: score(pipe, encoder, p, guidance_scale, noises, metrics) for name, p in sets.items()}
     return cache[key]
 
 
@@ -202,7 +253,7 @@ def base_row(m: dict, guidance_scale: float, name: str) -> dict:
 
 def cmd_base(args, sets):
     for cfg in (1.0, 4.5):
-        for name, m in base_scores(args.model, sets, cfg).items():
+        for name, m in base_scores(args.model, sets, cfg, metrics=args.task["metrics"]).items():
             row = base_row(m, cfg, name)
             append(args.results / "base.jsonl", row)
             print(json.dumps(row))
@@ -242,7 +293,8 @@ def cmd_final(args, sets):
     if (args.results / "final.jsonl").exists():
         done = {json.loads(line)["run"] for line in (args.results / "final.jsonl").read_text().splitlines()}
     sets = {name: prompts for name, prompts in sets.items() if name in args.sets}
-    bases = {tag: base_scores(args.model, sets, cfg, args.noises) for tag, cfg in (("cfg1", 1.0), ("cfg4.5", 4.5))}
+    cfgs = (("cfg1", 1.0), ("cfg4.5", 4.5))
+    bases = {tag: base_scores(args.model, sets, cfg, args.noises, args.task["metrics"]) for tag, cfg in cfgs}
     for name in sets:  # the base's own means on these noises, once per results folder
         if not any(r.get("model") == "base" and r["set"] == name for r in read_jsonl(args.results / "base.jsonl")):
             for tag, cfg in (("cfg1", 1.0), ("cfg4.5", 4.5)):
@@ -260,7 +312,7 @@ def cmd_final(args, sets):
         encoder = common.PromptEncoder(pipe)
         images = images_trained(run) or images_in_card(run)  # a committed copy has no TensorBoard events
         for name, prompts in sets.items():
-            m = score(pipe, encoder, prompts, cfg, args.noises)
+            m = score(pipe, encoder, prompts, cfg, args.noises, args.task["metrics"])
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
             row.update({"images": images, "guidance_scale": cfg, "set": name, "noises": args.noises})
             row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
@@ -289,10 +341,8 @@ def cmd_extract(args, sets):
         run_args = json.loads((run / "args.json").read_text())
         times = sorted(e.wall_time for t in tags for e in acc.Scalars(t))
         # a resumed run evaluates its checkpoint again: one eval per step, the newest
-        evals = {
-            k: list({e.step: e for e in acc.Scalars(f"eval/{k}")}.values())
-            for k in ("shapes_exact", "shapes_strict", "objects_extra", "prompt_specific_gap")
-        }
+        evals = {k: list({e.step: e for e in acc.Scalars(f"eval/{tag}")}.values()) for k, tag in args.task["tags"].items()}
+        first = next(iter(evals.values()))
         reward = [(e.step, e.value) for e in acc.Scalars("charts/reward_mean")]
         row = {
             "run": run.name,
@@ -300,22 +350,38 @@ def cmd_extract(args, sets):
             "seed": run_args["seed"],
             "device": run_args.get("device") or "cpu",
             "eval_noises": run_args.get("eval_noises", 2),
-            "images": [e.step for e in evals["shapes_exact"]],
-            "seconds": [round(working_seconds(times, e.wall_time), 1) for e in evals["shapes_exact"]],
+            "images": [e.step for e in first],
+            "seconds": [round(working_seconds(times, e.wall_time), 1) for e in first],
             **{k: [round(e.value, 4) for e in v] for k, v in evals.items()},
             # the training reward, averaged over each stretch between two evaluations
             "train_reward": [
                 round(float(np.mean([v for s, v in reward if lo < s <= hi] or [np.nan])), 4)
-                for lo, hi in zip([-1] + [e.step for e in evals["shapes_exact"]], [e.step for e in evals["shapes_exact"]])
+                for lo, hi in zip([-1] + [e.step for e in first], [e.step for e in first])
             ],
             "images_per_sec": round(float(np.median([e.value for e in acc.Scalars("charts/images_per_sec")])), 1),
         }
         append(args.results / "curves.jsonl", row)
-        print(row["setting"], row["seed"], list(zip(row["images"], row["shapes_exact"])), flush=True)
+        print(row["setting"], row["seed"], list(zip(row["images"], exact_curve(row))), flush=True)
+
+
+def exact_curve(row: dict) -> list:
+    """A curve row's held-out exact at each eval (`shapes_exact` on tiny-shapes, `exact` on OCR)."""
+    return row["shapes_exact"] if "shapes_exact" in row else row["exact"]
 
 
 def read_jsonl(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def base_rows(results: Path) -> list:
+    """The base's rows of a results folder and of its sweep folders (`final` scores the base into the folder it writes)."""
+    return [r for path in [results / "base.jsonl", *sweep_files(results, "base.jsonl")] for r in read_jsonl(path)]
+
+
+def sweep_files(results: Path, name: str) -> list:
+    """results/<sweep>/<name> for every sweep folder; the OCR task's folder sits inside the shapes results and is
+    not a shapes sweep."""
+    return [path for path in sorted(results.glob(f"*/{name}")) if path.parent != OCR_RESULTS]
 
 
 def cmd_table(args, sets):
@@ -324,36 +390,39 @@ def cmd_table(args, sets):
     print("| model | prompts | exact | strict | extra objects/img | gap | best-of-4 exact | best-of-8 exact |")
     print("|---|---|---|---|---|---|---|---|")
     # the base scored by `final --noises N` into a sweep folder of its own comes after the protocol's 8-noise rows
-    for r in base + [r for path in sorted(args.results.glob("*/base.jsonl")) for r in read_jsonl(path)]:
+    for r in base + [r for path in sweep_files(args.results, "base.jsonl") for r in read_jsonl(path)]:
+        strict, extra, best4, best8 = (r.get(k, math.nan) for k in ("strict", "extra", "best_of_4", "best_of_8"))
         print(
             f"| base, CFG {r['guidance_scale']:g} | {r['set']} ({r['prompts']} x {r['noises']} noises) | {r['exact']:.3f} | "
-            f"{r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} | {r.get('best_of_4', math.nan):.3f} | "
-            f"{r.get('best_of_8', math.nan):.3f} |"
+            f"{strict:.3f} | {extra:.2f} | {r['gap']:.3f} | {best4:.3f} | {best8:.3f} |"
         )
     rows = []
-    for sweep in sorted(args.results.glob("*/curves.jsonl")):
+    for sweep in sweep_files(args.results, "curves.jsonl"):
         rows += [dict(r, sweep=sweep.parent.name) for r in read_jsonl(sweep)]
-    print("\n| sweep | setting | seed | device | images | exact at each eval (240 images; first = the base) | last - base |")
+    print("\n| sweep | setting | seed | device | images | exact at each eval (in-run; first = the base) | last - base |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        ex = r["shapes_exact"]
+        ex = exact_curve(r)
         print(
             f"| {r['sweep']} | {r['setting']} | {r['seed']} | {r['device']} | {r['images'][-1]} | "
             f"{' '.join(f'{v:.3f}' for v in ex)} | {ex[-1] - ex[0]:+.3f} |"
         )
     finals = []
-    for sweep in sorted(args.results.glob("*/final.jsonl")):
+    for sweep in sweep_files(args.results, "final.jsonl"):
         finals += [dict(r, sweep=sweep.parent.name) for r in read_jsonl(sweep)]
     print("\n" + "\n".join(finals_table(finals)))
     print("\n" + "\n".join(seeds_table(finals)))
     cpu = [r for r in rows if r["device"] == "cpu" and len(r["images"]) > 1]
-    level = next((r["shapes_exact"][0] for r in rows if "cfg4.5" in r["setting"]), None)
+    level = next((exact_curve(r)[0] for r in rows if "cfg4.5" in r["setting"]), None)
+    if level is None and args.task is TASKS["ocr"]:  # no CFG-4.5 run: the CFG-4.5 base of `final`, on other noises
+        level = next((r["exact"] for r in base_rows(args.results) if r["set"] == "test" and r["guidance_scale"] == 4.5), None)
     if level is not None:
         print("\n" + "\n".join(efficiency_table([r for r in rows if len(r["images"]) > 1], level)))
     if rows:
-        plot(rows, base, args.results / "exact_vs_images.png")
-        first = {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
-        plot(cpu, base, args.results / "exact_vs_seconds.png", x="seconds", first=first)
+        base = base or base_rows(args.results)
+        plot(rows, base, args.results / "exact_vs_images.png", level=level)
+        first = {("cfg4.5" in r["setting"]): exact_curve(r)[0] for r in rows}
+        plot(cpu, base, args.results / "exact_vs_seconds.png", x="seconds", first=first, level=level)
 
 
 def mean_se(values) -> str:
@@ -411,7 +480,7 @@ def seeds_table(finals: list) -> list:
 
 def reach(row: dict, level: float):
     """(images, seconds) at a run's first evaluation with held-out exact >= level, or None if it never got there."""
-    for images, seconds, exact in zip(row["images"], row["seconds"], row["shapes_exact"]):
+    for images, seconds, exact in zip(row["images"], row["seconds"], exact_curve(row)):
         if images > 0 and exact >= level:
             return images, seconds
     return None
@@ -447,7 +516,7 @@ def efficiency_table(rows: list, level: float) -> list:
     return out
 
 
-def plot(rows: list, base: list, path: Path, x: str = "images", first: dict = None):
+def plot(rows: list, base: list, path: Path, x: str = "images", first: dict = None, level: float = None):
     """One panel per algorithm: every run's held-out exact against images trained (or wall-clock seconds), with the base
     model on the same noises (a CFG-1 run's first eval; a CFG-4.5 run's first eval) and the base's best-of-4 (8 other
     noises)."""
@@ -458,21 +527,23 @@ def plot(rows: list, base: list, path: Path, x: str = "images", first: dict = No
 
     algos = sorted({SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] for r in rows})
     fig, axes = plt.subplots(1, len(algos), figsize=(4 * len(algos), 4.2), sharey=True, squeeze=False)
-    first = first or {("cfg4.5" in r["setting"]): r["shapes_exact"][0] for r in rows}
+    first = first or {("cfg4.5" in r["setting"]): exact_curve(r)[0] for r in rows}
+    first.setdefault(True, level)  # no CFG-4.5 run: the CFG-4.5 base's level
     best4 = next((x["best_of_4"] for x in base if x["set"] == "test" and x["guidance_scale"] == 1.0), None)
     for ax, algo in zip(axes[0], algos):
         for r in rows:
             if SETTINGS.get(r["setting"], (r["setting"].split("_")[0],))[0] == algo and len(r["images"]) > 1:
-                ax.plot(r[x], r["shapes_exact"], marker=".", lw=1, label=f"{r['setting']} s{r['seed']}")
+                ax.plot(r[x], exact_curve(r), marker=".", lw=1, label=f"{r['setting']} s{r['seed']}")
         for cfg45, style, name in ((False, ":", "base CFG 1"), (True, "--", "base CFG 4.5")):
-            if cfg45 in first:
+            if first.get(cfg45) is not None:
                 ax.axhline(first[cfg45], color="k", ls=style, lw=1, label=name)
         if best4 is not None:
             ax.axhline(best4, color="r", ls="-.", lw=1, label="base best-of-4")
         ax.set_title(algo)
         ax.set_xlabel("images trained" if x == "images" else "wall-clock seconds (one CPU core a run)")
         ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("held-out exact (30 prompts x 8 noises)")
+    noises = rows[0].get("eval_noises", NOISES)
+    axes[0][0].set_ylabel(f"held-out exact (test prompts x {noises} noises)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -480,6 +551,21 @@ def plot(rows: list, base: list, path: Path, x: str = "images", first: dict = No
 def find_run(out: Path, setting: str, seed: int):
     found = sorted(out.glob(f"*__{setting}__{seed}__*"))
     return found[-1] if found else None
+
+
+def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, out: Path) -> list:
+    """A new run's flags: the protocol's evaluation and saving, the setting's flags, the task's model and reward."""
+    algo, flags = SETTINGS[name]
+    every = ["--eval-every", str(eval_every), "--save-every", str(eval_every)]
+    protocol = ["--eval-noises", task["eval_noises"], "--keep-checkpoints", "2"]
+    # the shapes LoRA settings ran when a LoRA was every file's default; they still train one (the OCR runs are at
+    # the files' defaults of today)
+    lora = [] if "--full-finetune" in flags or algo == "grpo" or task is TASKS["ocr"] else ["--no-full-finetune"]
+    cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
+    cmd += ["--exp-name", name, "--output-dir", str(out)]
+    if task is TASKS["ocr"]:
+        cmd += ["--model", task["model"], "--train-prompts", task["train"], "--test-prompts", task["test"], *task["flags"]]
+    return cmd
 
 
 def cmd_train(args, sets):
@@ -491,17 +577,13 @@ def cmd_train(args, sets):
         name, _, one_seed = item.partition("@")
         if name not in SETTINGS:
             raise SystemExit(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
-        algo, flags = SETTINGS[name]
+        algo = SETTINGS[name][0]
         for seed in [int(one_seed)] if one_seed else args.seeds:
             run = find_run(out, name, seed)
             if run is not None and (run / "checkpoints" / "last").exists():
                 cmd = ["--resume", str(run), "--num-epochs", str(args.epochs)]
             else:
-                every = ["--eval-every", str(args.eval_every), "--save-every", str(args.eval_every)]
-                # the LoRA settings ran when a LoRA was every file's default; they still train one
-                lora = [] if "--full-finetune" in flags or algo == "grpo" else ["--no-full-finetune"]
-                cmd = [*PROTOCOL, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(args.epochs)]
-                cmd += ["--exp-name", name, "--output-dir", str(out)]
+                cmd = run_flags(args.task, name, seed, args.epochs, args.eval_every, out)
             script = SCRIPTS.get(name, REPO / "algos" / f"{algo}.py")
             queue.append((f"{name}__{seed}", [sys.executable, str(script), *cmd]))
     (args.results / "logs").mkdir(parents=True, exist_ok=True)
@@ -566,8 +648,9 @@ def main():
     ap.add_argument("--eval-every", type=int, default=40, help="train: epochs between evaluations (and saves)")
     ap.add_argument("--devices", default="cpu", help="train: comma list cycled over the runs, e.g. cpu,cuda")
     ap.add_argument("--stop-after", type=float, default=0, help="train: seconds, then every run checkpoints and stops")
-    ap.add_argument("--model", default=common.TINY_MODEL)
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--task", choices=list(TASKS), default="shapes", help="tiny-shapes (exact) or tiny-text (OCR)")
+    ap.add_argument("--model", default=None, help="default: the task's tiny model")
+    ap.add_argument("--results", type=Path, default=None, help="default: the task's results folder")
     ap.add_argument("--noises", type=int, default=NOISES, help="final: noises per prompt (noise n: seed 1000 n)")
     ap.add_argument("--guidance-scale", type=float, default=0, help="final: sample at this CFG (default: the run's own)")
     ap.add_argument("--sets", nargs="+", default=["test", "train"], choices=["test", "train"], help="final: prompt sets")
@@ -581,7 +664,10 @@ def main():
         if missing:
             ap.error(f"{missing[0]}: not a run folder (no args.json)")
     torch.set_num_threads(1)
-    sets = prompt_sets()
+    args.task = TASKS[args.task]
+    args.model = args.model or args.task["model"]
+    args.results = args.results or args.task["results"]
+    sets = prompt_sets(args.task["train"], args.task["test"])
     commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}
     commands["roundtrip"] = cmd_roundtrip
     commands[args.command](args, sets)

@@ -315,11 +315,52 @@ def test_convergence_final_bad_inputs_exit_2_writing_nothing(tmp_path, argv, mes
 def test_base_row_gives_best_of_k_only_up_to_its_noises():
     import numpy as np
 
-    from benchmark.convergence import METRICS, base_row, best_of_k
+    from benchmark.convergence import base_row, best_of_k
 
     rng = np.random.default_rng(0)
-    m = {k: (rng.random((4, 30)) < 0.3).astype(float) for k in METRICS}
+    m = {k: (rng.random((4, 30)) < 0.3).astype(float) for k in ("exact", "strict", "extra", "gap", "score")}
     row = base_row(m, 4.5, "test")
     assert (row["noises"], row["prompts"], row["guidance_scale"]) == (4, 30, 4.5)
     assert row["exact"] == m["exact"].mean() and row["best_of_4"] == best_of_k(m["exact"], 4)
     assert "best_of_8" not in row
+
+
+def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
+    """convergence.ocr_metrics on rendered words (read back exactly): exact is the reward's 1.0, the gap is the score
+    minus the same image's reward for the next prompt, computed here with the reward itself."""
+    import torch
+
+    from assets import text_world
+    from benchmark.convergence import ocr_metrics
+    from rewards import ocr
+
+    _, test = text_world.splits()
+    captions, images = text_world.make_dataset(test[:6], 6, seed=3)
+    images = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+    m = ocr_metrics(images, captions)
+    reward = ocr.ocr()
+    right, wrong = reward(images, captions), reward(images, captions[1:] + captions[:1])
+    assert torch.equal(m["exact"], (right == 1).float()) and m["exact"].mean() >= 5 / 6
+    assert torch.allclose(m["score"], right) and torch.allclose(m["gap"], right - wrong)
+    # an exactly read image scores below 1 for a different word, and its gap is 0 where the next prompt is the same
+    differs = torch.tensor([a != b for a, b in zip(captions, captions[1:] + captions[:1])])
+    assert (m["gap"][(m["exact"] == 1) & differs] > 0).all() and (m["gap"][~differs] == 0).all()
+
+
+@pytest.mark.parametrize("algo", ["crd", "grpo"])
+def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
+    """`convergence.py train --task ocr`: the algorithm's own defaults (every weight, or GRPO's LoRA) on tiny-text
+    with the OCR reward and the text prompt files, evaluated on 4 noises; the shapes task keeps its 8 noises and
+    the LoRA its old settings trained."""
+    from benchmark.convergence import TASKS, run_flags
+
+    mod = importlib.import_module(f"algos.{algo}")
+    args = tyro.cli(mod.Args, args=run_flags(TASKS["ocr"], algo, 1, 100, 20, tmp_path))
+    default = mod.Args()
+    assert Path(args.model).name == "tiny-text" and args.reward == "ocr" and args.eval_noises == 4
+    assert Path(args.train_prompts).name == "text_train.jsonl" and Path(args.test_prompts).name == "text_test.jsonl"
+    assert (args.full_finetune, args.learning_rate) == (default.full_finetune, default.learning_rate)
+    assert (args.num_epochs, args.eval_every, args.save_every, args.output_dir) == (100, 20, 20, str(tmp_path))
+    shapes = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path))
+    assert shapes.model == default.model and shapes.reward == default.reward and shapes.eval_noises == 8
+    assert shapes.full_finetune is False
