@@ -124,3 +124,29 @@ def test_rl_raises_the_ocr_score(tmp_path):
     acc.Reload()
     before, after = [e.value for e in acc.Scalars("eval/ocr")]
     assert after - before > 0.1, (before, after)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
+    """`build_tiny_shapes.py --no-autocast` (8x faster on a CPU without native bf16) runs the forwards in fp32, and its
+    first logged loss is an fp32 recomputation of the recipe's loss on the same batch and noise; the default (bf16
+    autocast, how the shipped models were built) runs them in bf16."""
+    import torch.nn.functional as F
+
+    from assets import build_tiny_shapes as recipe
+
+    images = torch.randint(0, 256, (8, 64, 64, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    vae = recipe.build_vae(seed=12)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)  # the recipe's draws: the batch, then the posterior noise
+        x = images[torch.randint(8, (4,), generator=gen)].permute(0, 3, 1, 2).float() / 127.5 - 1
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.mean + post.std * torch.randn(post.mean.shape, generator=gen)).sample
+        kl = 0.5 * (post.mean**2 + post.var - 1 - post.logvar).mean()
+        expected = (F.l1_loss(rec, x) + F.mse_loss(rec, x) + 1e-4 * kl).item()
+    dtypes, logged = [], []
+    vae.decoder.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    recipe.train_vae(vae, images, 1, 4, logged.append, autocast=autocast)
+    assert dtypes == [torch.bfloat16 if autocast else torch.float32]
+    if not autocast:
+        assert float(logged[0].split("loss ")[1].split()[0]) == pytest.approx(expected, abs=1e-4)  # logged to 4 decimals
