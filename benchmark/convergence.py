@@ -387,14 +387,14 @@ def sweep_files(results: Path, name: str) -> list:
 def cmd_table(args, sets):
     """Markdown tables (base ceilings; every run's held-out exact curve) and the exact-vs-images plot, from the jsonl."""
     base = read_jsonl(args.results / "base.jsonl")
-    print("| model | prompts | exact | strict | extra objects/img | gap | best-of-4 exact | best-of-8 exact |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | prompts | exact | strict | extra objects/img | gap | score | best-of-4 exact | best-of-8 exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
     # the base scored by `final --noises N` into a sweep folder of its own comes after the protocol's 8-noise rows
     for r in base + [r for path in sweep_files(args.results, "base.jsonl") for r in read_jsonl(path)]:
         strict, extra, best4, best8 = (r.get(k, math.nan) for k in ("strict", "extra", "best_of_4", "best_of_8"))
         print(
             f"| base, CFG {r['guidance_scale']:g} | {r['set']} ({r['prompts']} x {r['noises']} noises) | {r['exact']:.3f} | "
-            f"{strict:.3f} | {extra:.2f} | {r['gap']:.3f} | {best4:.3f} | {best8:.3f} |"
+            f"{strict:.3f} | {extra:.2f} | {r['gap']:.3f} | {r['score']:.3f} | {best4:.3f} | {best8:.3f} |"
         )
     rows = []
     for sweep in sweep_files(args.results, "curves.jsonl"):
@@ -436,14 +436,15 @@ def finals_table(finals: list) -> list:
     prompts)."""
     out = [
         "| sweep | setting | seed | images | prompts | exact | vs base CFG 1 | vs base CFG 4.5 | strict | extra objects/img "
-        "| gap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gap | score (the reward's; OCR: 1 - edit distance / length) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(finals, key=lambda r: (r["sweep"], r["setting"], r["seed"], r["set"] != "test")):
         gains = [f"{r[f'exact_gain_{t}']:+.3f} ± {r[f'exact_gain_{t}_se']:.3f}" for t in ("cfg1", "cfg4.5")]
         out.append(
             f"| {r['sweep']} | {r['setting']} | {r['seed']} | {r['images']:,} | {r['set']} | {r['exact']:.3f} | "
-            f"{gains[0]} | {gains[1]} | {r['strict']:.3f} | {r['extra']:.2f} | {r['gap']:.3f} |"
+            f"{gains[0]} | {gains[1]} | {r.get('strict', math.nan):.3f} | {r.get('extra', math.nan):.2f} | {r['gap']:.3f} | "
+            f"{r['score']:.3f} |"
         )
     return out
 
@@ -463,7 +464,7 @@ def seeds_table(finals: list) -> list:
     for (sweep, setting), rs in groups.items():
         exact = mean_se([r["exact"] for r in rs]).lstrip("+")
         cells = [mean_se([r[f"{k}_gain_{t}"] for r in rs]) for k, t in (("exact", "cfg1"), ("exact", "cfg4.5"))]
-        extra = mean_se([r["extra_gain_cfg4.5"] for r in rs])
+        extra = mean_se([r.get("extra_gain_cfg4.5", math.nan) for r in rs])
         images = "/".join(f"{r['images']:,}" for r in rs)
         # the same gain with its standard error over prompts of the seeds' mean per-prompt gain: it carries the noise
         # of the base's own estimate on these images, which the error over seeds (one base for every seed) leaves out
