@@ -563,10 +563,18 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     # the files' defaults of today)
     lora = [] if "--full-finetune" in flags or algo == "grpo" or task is TASKS["ocr"] else ["--no-full-finetune"]
     cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
-    cmd += ["--exp-name", name, "--output-dir", str(out)]
+    cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
     if task is TASKS["ocr"]:
-        cmd += ["--model", task["model"], "--train-prompts", task["train"], "--test-prompts", task["test"], *task["flags"]]
+        files = [in_repo(task[k]) for k in ("model", "train", "test")]
+        cmd += ["--model", files[0], "--train-prompts", files[1], "--test-prompts", files[2], *task["flags"]]
     return cmd
+
+
+def in_repo(path) -> str:
+    """A path inside the repository relative to it (runs start there), so that no machine's folder ends up in a run's
+    args.json or in its export's model card; any other path as it is."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def cmd_train(args, sets):

@@ -357,8 +357,9 @@ def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     mod = importlib.import_module(f"algos.{algo}")
     args = tyro.cli(mod.Args, args=run_flags(TASKS["ocr"], algo, 1, 100, 20, tmp_path))
     default = mod.Args()
-    assert Path(args.model).name == "tiny-text" and args.reward == "ocr" and args.eval_noises == 4
-    assert Path(args.train_prompts).name == "text_train.jsonl" and Path(args.test_prompts).name == "text_test.jsonl"
+    # paths inside the repository relative to it (the runs start there): no machine's folder in args.json or model card
+    assert args.model == "assets/tiny-text" and args.reward == "ocr" and args.eval_noises == 4
+    assert (args.train_prompts, args.test_prompts) == ("assets/text_train.jsonl", "assets/text_test.jsonl")
     assert (args.full_finetune, args.learning_rate) == (default.full_finetune, default.learning_rate)
     assert (args.num_epochs, args.eval_every, args.save_every, args.output_dir) == (100, 20, 20, str(tmp_path))
     shapes = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path))
