@@ -24,7 +24,8 @@ Results are appended to benchmark/results/convergence/{base,curves}.jsonl (one J
 `--task ocr` runs the same protocol on tiny-text with the `ocr` reward (the file defaults plus the model, reward and
 prompt files of `TASKS`), into benchmark/results/convergence/ocr/: there "exact" is the word read exactly (the
 in-run `ocr_strict`), "score" the OCR reward (1 - edit distance / length), "gap" the score minus the score of the
-same image against another test word; the test set is the 64 held-out words x 4 noises in-run.
+same image against another test word; the test set is the 64 held-out words x 4 noises in-run. `--model DIR` runs
+every command on another build of the task's model (a larger tiny-shapes, say; use its own `--results`).
 """
 
 import argparse
@@ -554,8 +555,9 @@ def find_run(out: Path, setting: str, seed: int):
     return found[-1] if found else None
 
 
-def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, out: Path) -> list:
-    """A new run's flags: the protocol's evaluation and saving, the setting's flags, the task's model and reward."""
+def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, out: Path, model: str = None) -> list:
+    """A new run's flags: the protocol's evaluation and saving, the setting's flags, the task's model (or `model`, a
+    testbed of the same task, e.g. a larger tiny-shapes build) and reward."""
     algo, flags = SETTINGS[name]
     every = ["--eval-every", str(eval_every), "--save-every", str(eval_every)]
     protocol = ["--eval-noises", task["eval_noises"], "--keep-checkpoints", "2"]
@@ -564,9 +566,11 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     lora = [] if "--full-finetune" in flags or algo == "grpo" or task is TASKS["ocr"] else ["--no-full-finetune"]
     cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
     cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
+    model = model or task["model"]
+    if task is TASKS["ocr"] or Path(model).resolve() != Path(task["model"]).resolve():
+        cmd += ["--model", in_repo(model)]
     if task is TASKS["ocr"]:
-        files = [in_repo(task[k]) for k in ("model", "train", "test")]
-        cmd += ["--model", files[0], "--train-prompts", files[1], "--test-prompts", files[2], *task["flags"]]
+        cmd += ["--train-prompts", in_repo(task["train"]), "--test-prompts", in_repo(task["test"]), *task["flags"]]
     return cmd
 
 
@@ -592,7 +596,7 @@ def cmd_train(args, sets):
             if run is not None and (run / "checkpoints" / "last").exists():
                 cmd = ["--resume", str(run), "--num-epochs", str(args.epochs)]
             else:
-                cmd = run_flags(args.task, name, seed, args.epochs, args.eval_every, out)
+                cmd = run_flags(args.task, name, seed, args.epochs, args.eval_every, out, args.model)
             script = SCRIPTS.get(name, REPO / "algos" / f"{algo}.py")
             queue.append((f"{name}__{seed}", [sys.executable, str(script), *cmd]))
     (args.results / "logs").mkdir(parents=True, exist_ok=True)

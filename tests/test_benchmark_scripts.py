@@ -365,3 +365,5 @@ def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     shapes = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path))
     assert shapes.model == default.model and shapes.reward == default.reward and shapes.eval_noises == 8
     assert shapes.full_finetune is False
+    other = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path, str(tmp_path / "tiny-8l")))
+    assert other.model == str(tmp_path / "tiny-8l") and other.reward == default.reward  # another shapes testbed
