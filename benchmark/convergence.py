@@ -679,6 +679,8 @@ def main():
     torch.set_num_threads(1)
     args.task = TASKS[args.task]
     args.model = args.model or args.task["model"]
+    if args.command != "table" and not (Path(args.model) / "model_index.json").is_file():
+        ap.error(f"--model {args.model}: not a pipeline folder (no model_index.json)")
     args.results = args.results or args.task["results"]
     sets = prompt_sets(args.task["train"], args.task["test"])
     commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}

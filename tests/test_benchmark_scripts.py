@@ -300,9 +300,13 @@ def test_full_size_configs_have_the_published_sizes():
         (["final", "{tmp}/no_run"], "{tmp}/no_run: not a run folder (no args.json)"),
         (["final", "{export}", "--noises", "0"], "--noises 0: must be >= 1"),
         (["final", "{export}", "--guidance-scale", "-1"], "--guidance-scale -1: must be >= 0 (0: each run's own)"),
+        (
+            ["base", "--task", "ocr", "--model", "{tmp}/no_model"],
+            "--model {tmp}/no_model: not a pipeline folder (no model_index.json)",
+        ),
     ],
 )
-def test_convergence_final_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
+def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
     export = REPO / "benchmark" / "results" / "convergence" / "leg2" / "crd_full_lr1e-4__s1"
     fill = {"tmp": tmp_path, "export": export}
     results = tmp_path / "results"
