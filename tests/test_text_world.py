@@ -150,3 +150,25 @@ def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
     assert dtypes == [torch.bfloat16 if autocast else torch.float32]
     if not autocast:
         assert float(logged[0].split("loss ")[1].split()[0]) == pytest.approx(expected, abs=1e-4)  # logged to 4 decimals
+
+
+def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path):
+    """`--vae-from` builds a pipeline whose autoencoder (weights, latent shift and scale) is the given folder's, so two
+    builds differ only in their transformer and text encoders; a build with `--out` does not rewrite assets/*.jsonl."""
+    from pathlib import Path
+
+    from diffusers import AutoencoderKL
+    from safetensors.torch import load_file
+
+    assets = Path(__file__).resolve().parents[1] / "assets"
+    splits = {p.name: p.stat().st_mtime_ns for p in assets.glob("*.jsonl")}
+    out = tmp_path / "tiny-shapes-2"
+    cmd = ["assets/build_tiny_shapes.py", "--num-images", "64", "--flow-steps", "2", "--layers", "2", "--no-autocast"]
+    run_script([*cmd, "--threads", "1", "--vae-from", str(assets / "tiny-shapes"), "--out", str(out)])
+    shipped, built = assets / "tiny-shapes" / "vae", out / "vae"
+    a = load_file(shipped / "diffusion_pytorch_model.safetensors")
+    b = load_file(built / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("shift_factor", "scaling_factor"):
+        assert AutoencoderKL.load_config(built)[key] == AutoencoderKL.load_config(shipped)[key]
+    assert {p.name: p.stat().st_mtime_ns for p in assets.glob("*.jsonl")} == splits
