@@ -566,12 +566,10 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     lora = [] if "--full-finetune" in flags or algo == "grpo" or task is TASKS["ocr"] else ["--no-full-finetune"]
     cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
     cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
-    model = model or task["model"]
-    if task is TASKS["ocr"] or Path(model).resolve() != Path(task["model"]).resolve():
-        cmd += ["--model", in_repo(model)]
-    if task is TASKS["ocr"]:
-        cmd += ["--train-prompts", in_repo(task["train"]), "--test-prompts", in_repo(task["test"]), *task["flags"]]
-    return cmd
+    # the files' defaults are absolute paths (so that they run from any folder): pass the task's own, relative
+    cmd += ["--model", in_repo(model or task["model"])]
+    cmd += ["--train-prompts", in_repo(task["train"]), "--test-prompts", in_repo(task["test"])]
+    return cmd + task["flags"]
 
 
 def in_repo(path) -> str:

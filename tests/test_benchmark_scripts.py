@@ -367,7 +367,13 @@ def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     assert (args.full_finetune, args.learning_rate) == (default.full_finetune, default.learning_rate)
     assert (args.num_epochs, args.eval_every, args.save_every, args.output_dir) == (100, 20, 20, str(tmp_path))
     shapes = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path))
-    assert shapes.model == default.model and shapes.reward == default.reward and shapes.eval_noises == 8
+    assert Path(shapes.model).resolve() == Path(default.model).resolve() and shapes.reward == default.reward
+    assert (shapes.model, shapes.train_prompts, shapes.test_prompts) == (
+        "assets/tiny-shapes",
+        "assets/train.jsonl",
+        "assets/test.jsonl",
+    )
+    assert shapes.eval_noises == 8
     assert shapes.full_finetune is False
     other = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path, str(tmp_path / "tiny-8l")))
     assert other.model == str(tmp_path / "tiny-8l") and other.reward == default.reward  # another shapes testbed
