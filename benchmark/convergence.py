@@ -415,7 +415,7 @@ def cmd_table(args, sets):
     print("\n" + "\n".join(seeds_table(finals)))
     cpu = [r for r in rows if r["device"] == "cpu" and len(r["images"]) > 1]
     level = next((exact_curve(r)[0] for r in rows if "cfg4.5" in r["setting"]), None)
-    if level is None and args.task is TASKS["ocr"]:  # no CFG-4.5 run: the CFG-4.5 base of `final`, on other noises
+    if level is None:  # no run sampled at CFG 4.5: the CFG-4.5 base of `base` or `final`, on other noises
         level = next((r["exact"] for r in base_rows(args.results) if r["set"] == "test" and r["guidance_scale"] == 4.5), None)
     if level is not None:
         print("\n" + "\n".join(efficiency_table([r for r in rows if len(r["images"]) > 1], level)))
