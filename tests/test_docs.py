@@ -41,7 +41,8 @@ def known_flags() -> set:
             flags |= {"--" + f.name.replace("_", "-"), "--no-" + f.name.replace("_", "-")}
     for script in [*REPO.glob("benchmark/*.py"), *REPO.glob("assets/*.py"), REPO / "rewards" / "server.py"]:
         text = script.read_text()
-        flags |= set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", text))
+        for flag, rest in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"([^)]*)", text):
+            flags |= {flag, "--no-" + flag[2:]} if "BooleanOptionalAction" in rest else {flag}
         flags |= {"--" + name.replace("_", "-") for name in re.findall(r"^    ([a-z_]+): [A-Za-z\[]", text, re.M)}
     return flags
 
