@@ -238,6 +238,10 @@ def main():
         help="bf16 autocast of the forwards (how the shipped models were built); --no-autocast: fp32",
     )
     args = ap.parse_args()
+    if args.vae_from:
+        config = Path(args.vae_from) / "vae" / "config.json"
+        if not config.is_file() or json.loads(config.read_text()).get("scaling_factor") is None:
+            ap.error(f"--vae-from {args.vae_from}: not a pipeline folder with a scaled autoencoder (vae/config.json)")
     torch.set_num_threads(args.threads)
     t_start = time.time()
     here = Path(__file__).parent

@@ -172,3 +172,11 @@ def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path
     for key in ("shift_factor", "scaling_factor"):
         assert AutoencoderKL.load_config(built)[key] == AutoencoderKL.load_config(shipped)[key]
     assert {p.name: p.stat().st_mtime_ns for p in assets.glob("*.jsonl")} == splits
+
+
+def test_recipe_rejects_a_vae_from_that_is_not_a_pipeline_in_one_line(tmp_path):
+    """A wrong `--vae-from` ends at once with one line and exit 2, before any data is rendered or anything written."""
+    out = tmp_path / "never"
+    proc = run_script(["assets/build_tiny_shapes.py", "--vae-from", str(tmp_path), "--out", str(out)], check=False)
+    assert proc.returncode == 2 and "--vae-from" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
