@@ -240,7 +240,11 @@ def main():
     args = ap.parse_args()
     if args.vae_from:
         config = Path(args.vae_from) / "vae" / "config.json"
-        if not config.is_file() or json.loads(config.read_text()).get("scaling_factor") is None:
+        try:  # a crafted or truncated config is the same wrong input as a missing one
+            scaled = json.loads(config.read_text()).get("scaling_factor") is not None
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            scaled = False
+        if not scaled:
             ap.error(f"--vae-from {args.vae_from}: not a pipeline folder with a scaled autoencoder (vae/config.json)")
     torch.set_num_threads(args.threads)
     t_start = time.time()

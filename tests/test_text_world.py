@@ -180,3 +180,9 @@ def test_recipe_rejects_a_vae_from_that_is_not_a_pipeline_in_one_line(tmp_path):
     proc = run_script(["assets/build_tiny_shapes.py", "--vae-from", str(tmp_path), "--out", str(out)], check=False)
     assert proc.returncode == 2 and "--vae-from" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+    for text in ("{not json", "[1, 2]", "\udcff"):  # a truncated, a non-object and an undecodable config
+        (tmp_path / "vae").mkdir(exist_ok=True)
+        (tmp_path / "vae" / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+        proc = run_script(["assets/build_tiny_shapes.py", "--vae-from", str(tmp_path), "--out", str(out)], check=False)
+        assert proc.returncode == 2 and "--vae-from" in proc.stderr.strip().splitlines()[-1], proc.stderr
+        assert "Traceback" not in proc.stderr and not out.exists()
