@@ -207,11 +207,12 @@ def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, m
     return {k: np.stack(v) for k, v in out.items()}
 
 
-def best_of_k(exact: np.ndarray, k: int) -> float:
-    """Mean over prompts of P(at least one of k noises exact), unbiased from n noises (the pass@k estimator)."""
+def best_of_k(exact: np.ndarray, k: int, per_prompt: bool = False):
+    """Mean over prompts of P(at least one of k noises exact), unbiased from n noises (the pass@k estimator); with
+    `per_prompt`, the list of each prompt's."""
     n = exact.shape[0]
-    c = exact.sum(0)
-    return float(np.mean([1.0 - math.comb(n - int(ci), k) / math.comb(n, k) for ci in c]))
+    each = [1.0 - math.comb(n - int(ci), k) / math.comb(n, k) for ci in exact.sum(0)]
+    return [round(v, 6) for v in each] if per_prompt else float(np.mean(each))
 
 
 def summary(m: dict, bases: dict = ()) -> dict:
@@ -249,6 +250,11 @@ def base_row(m: dict, guidance_scale: float, name: str) -> dict:
     row = {"model": "base", "guidance_scale": guidance_scale, "set": name, "prompts": prompts, "noises": noises}
     row.update(summary(m))
     row.update({f"best_of_{k}": best_of_k(m["exact"], k) for k in (1, 4, 8) if k <= noises})
+    # per prompt (in the set's order), so that a model's per-prompt exact (this + its exact_gain_cfg1_per_prompt)
+    # can be set against the base's best-of-4 prompt by prompt, e.g. per kind of prompt
+    row["exact_per_prompt"] = m["exact"].mean(0).round(6).tolist()
+    if noises >= 4:
+        row["best_of_4_per_prompt"] = best_of_k(m["exact"], 4, per_prompt=True)
     return row
 
 

@@ -53,7 +53,10 @@ def test_best_of_k_is_the_mean_over_all_k_subsets_of_noises():
     for k in (1, 4, 8):
         brute = np.mean([np.mean([exact[list(s), p].max() for s in itertools.combinations(range(8), k)]) for p in range(30)])
         assert abs(best_of_k(exact, k) - brute) < 1e-12
+        each = [np.mean([exact[list(s), p].max() for s in itertools.combinations(range(8), k)]) for p in range(30)]
+        assert np.allclose(best_of_k(exact, k, per_prompt=True), each, atol=1e-6)
     assert best_of_k(exact, 1) == exact.mean()
+    assert best_of_k(exact, 4, per_prompt=True)[:2] == [0.0, 1.0]
 
 
 def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_the_same_batch():
@@ -327,6 +330,10 @@ def test_base_row_gives_best_of_k_only_up_to_its_noises():
     assert (row["noises"], row["prompts"], row["guidance_scale"]) == (4, 30, 4.5)
     assert row["exact"] == m["exact"].mean() and row["best_of_4"] == best_of_k(m["exact"], 4)
     assert "best_of_8" not in row
+    # per prompt, in the set's order: exact over the noises and best-of-4 (all 4 noises: any of them exact)
+    assert np.allclose(row["exact_per_prompt"], m["exact"].mean(0))
+    assert row["best_of_4_per_prompt"] == m["exact"].max(0).tolist()
+    assert "best_of_4_per_prompt" not in base_row({k: v[:2] for k, v in m.items()}, 1.0, "test")
 
 
 def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
