@@ -5,6 +5,7 @@
     python benchmark/convergence.py final RUN [RUN ...]                    # each run's exported LoRA, both prompt sets
     python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
     python benchmark/convergence.py roundtrip                              # rendered scenes through the VAE and the scorer
+    python benchmark/convergence.py categories [--results DIR]             # exact per kind of prompt, base and exports
     python benchmark/convergence.py train crd nft --task ocr --epochs 100  # the same protocol on tiny-text OCR
 
 Runs are trained by the algorithm files with `--keep-checkpoints` large enough to keep every save (the commands are in
@@ -486,6 +487,66 @@ def seeds_table(finals: list) -> list:
     return out
 
 
+def prompt_kinds(task: dict, prompts: list) -> list:
+    """Each prompt's category from the task's prompt files (tiny-shapes: single_object, two_object, counting, colors,
+    color_attr, position); "all" where a file has none (OCR)."""
+    kind = {}
+    for path in (task["train"], task["test"]):
+        if str(path).endswith(".jsonl"):
+            for line in Path(path).read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    kind[row["prompt"]] = row.get("category", "all")
+    return [kind.get(p, "all") for p in prompts]
+
+
+def categories_table(base: list, finals: list, sets: dict, kinds: dict) -> list:
+    """Exact per kind of prompt: the base at CFG 1 and 4.5 and its best-of-4 (from the per-prompt lists `final` keeps
+    in base.jsonl), and each setting's exports (the base's per-prompt exact at CFG 1 plus each export's paired
+    per-prompt gain, on the same noises), averaged over its seeds."""
+    out = [
+        "| set | noises | kind | prompts | base CFG 1 | base CFG 4.5 | best-of-4 CFG 1 | best-of-4 CFG 4.5 "
+        "| sweep/setting (seeds) | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in sets:
+        by_noises = defaultdict(dict)  # noises -> CFG -> base row with per-prompt lists
+        for r in base:
+            if r["set"] == name and "best_of_4_per_prompt" in r:
+                by_noises[r["noises"]].setdefault(r["guidance_scale"], r)
+        for noises, rows in sorted(by_noises.items()):
+            if set(rows) != {1.0, 4.5}:
+                continue
+            groups = defaultdict(list)
+            for r in finals:
+                if r["set"] == name and r["noises"] == noises and "exact_gain_cfg1_per_prompt" in r:
+                    groups[f"{r['sweep']}/{r['setting']}"].append(
+                        np.add(rows[1.0]["exact_per_prompt"], r["exact_gain_cfg1_per_prompt"])
+                    )
+            kind = np.array(kinds[name])
+            for k in sorted(set(kind)) + ["all"]:
+                pick = np.ones(len(kind), bool) if k == "all" else kind == k
+                cells = [
+                    np.mean(np.array(rows[g][key])[pick])
+                    for key in ("exact_per_prompt", "best_of_4_per_prompt")
+                    for g in (1.0, 4.5)
+                ]
+                lead = f"| {name} | {noises} | {k} | {pick.sum()} | " + " | ".join(f"{c:.3f}" for c in cells)
+                models = [
+                    f"{setting} ({len(v)}) | {np.mean(np.array(v)[:, pick]):.3f}" for setting, v in sorted(groups.items())
+                ]
+                out += [f"{lead} | {m} |" for m in models] or [f"{lead} | - | - |"]
+    return out
+
+
+def cmd_categories(args, sets):
+    """Exact per kind of prompt (`categories_table`) for the results folder and its sweep folders."""
+    paths = [args.results / "final.jsonl", *sweep_files(args.results, "final.jsonl")]
+    finals = [dict(r, sweep=path.parent.name) for path in paths for r in read_jsonl(path)]
+    kinds = {name: prompt_kinds(args.task, prompts) for name, prompts in sets.items()}
+    print("\n".join(categories_table(base_rows(args.results), finals, sets, kinds)))
+
+
 def reach(row: dict, level: float):
     """(images, seconds) at a run's first evaluation with held-out exact >= level, or None if it never got there."""
     for images, seconds, exact in zip(row["images"], row["seconds"], exact_curve(row)):
@@ -657,7 +718,7 @@ def cmd_roundtrip(args, sets):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["train", "base", "final", "extract", "table", "roundtrip"])
+    ap.add_argument("command", choices=["train", "base", "final", "extract", "table", "roundtrip", "categories"])
     ap.add_argument("runs", nargs="*", help="settings (train) or run folders (curves)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--epochs", type=int, default=320, help="train: epochs of each run (320 x 64 = 20,480 images)")
@@ -683,12 +744,13 @@ def main():
     torch.set_num_threads(1)
     args.task = TASKS[args.task]
     args.model = args.model or args.task["model"]
-    if args.command != "table" and not (Path(args.model) / "model_index.json").is_file():
+    if args.command not in ("table", "categories") and not (Path(args.model) / "model_index.json").is_file():
         ap.error(f"--model {args.model}: not a pipeline folder (no model_index.json)")
     args.results = args.results or args.task["results"]
     sets = prompt_sets(args.task["train"], args.task["test"])
     commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}
     commands["roundtrip"] = cmd_roundtrip
+    commands["categories"] = cmd_categories
     commands[args.command](args, sets)
 
 

@@ -384,3 +384,45 @@ def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     assert shapes.full_finetune is False
     other = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path, str(tmp_path / "tiny-8l")))
     assert other.model == str(tmp_path / "tiny-8l") and other.reward == default.reward  # another shapes testbed
+
+
+def test_categories_table_gives_each_kinds_exact_for_the_base_and_the_seeds_mean_export():
+    """convergence.categories_table from base rows and finals (as `final` writes them) against the same means taken by
+    hand: the base's per-prompt exact and best-of-4 at both CFGs, and an export's exact = base CFG 1 + its paired
+    per-prompt gain, averaged over its two seeds, per kind and over all prompts."""
+    import itertools
+
+    import numpy as np
+
+    from benchmark.convergence import base_row, categories_table
+
+    subsets = list(itertools.combinations(range(8), 4))
+    rng = np.random.default_rng(1)
+    kinds = ["counting", "position", "counting", "colors", "position", "counting"]
+    m = {
+        cfg: {k: (rng.random((8, 6)) < 0.4).astype(float) for k in ("exact", "strict", "extra", "gap", "score")}
+        for cfg in (1.0, 4.5)
+    }
+    base = [base_row(m[cfg], cfg, "train") for cfg in (1.0, 4.5)]
+    models = [(rng.random((8, 6)) < 0.5).astype(float) for _ in range(2)]
+    finals = [
+        {
+            "sweep": "leg",
+            "setting": "crd",
+            "set": "train",
+            "noises": 8,
+            "exact_gain_cfg1_per_prompt": list((x - m[1.0]["exact"]).mean(0)),
+        }
+        for x in models
+    ]
+    rows = categories_table(base, finals, {"train": ["p"] * 6}, {"train": kinds})
+    cells = {r.split(" | ")[2]: r.strip("| ").split(" | ") for r in rows[2:]}
+    assert set(cells) == {"colors", "counting", "position", "all"}
+    for kind, pick in (("counting", [0, 2, 5]), ("all", list(range(6)))):
+        want = [m[1.0]["exact"][:, pick].mean(), m[4.5]["exact"][:, pick].mean()]
+        for cfg in (1.0, 4.5):  # best-of-4 by enumerating every 4 of the 8 noises
+            want.append(np.mean([[m[cfg]["exact"][list(s), p].max() for s in subsets] for p in pick]))
+        want += [np.mean([x[:, pick].mean() for x in models])]
+        got = [float(c) for c in cells[kind][4:8]] + [float(cells[kind][9])]
+        assert cells[kind][3] == str(len(pick)) and cells[kind][8] == "leg/crd (2)"
+        assert np.allclose(got, want, atol=6e-4), (kind, got, want)
