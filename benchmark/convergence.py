@@ -428,9 +428,20 @@ def cmd_table(args, sets):
         print("\n" + "\n".join(efficiency_table([r for r in rows if len(r["images"]) > 1], level)))
     if rows:
         base = base or base_rows(args.results)
-        plot(rows, base, args.results / "exact_vs_images.png", level=level)
+        # a run copied into a later sweep and trained on (`train --epochs` resumes it) repeats its first evaluations:
+        # plot each run once, at its longest
+        longest = {r.get("run", id(r)): r for r in sorted(rows, key=lambda r: r["images"][-1])}
+        plot_rows = [r for r in rows if longest[r.get("run", id(r))] is r]
+        plot(plot_rows, base, args.results / "exact_vs_images.png", level=level)
         first = {("cfg4.5" in r["setting"]): exact_curve(r)[0] for r in rows}
-        plot(cpu, base, args.results / "exact_vs_seconds.png", x="seconds", first=first, level=level)
+        plot(
+            [r for r in cpu if r in plot_rows],
+            base,
+            args.results / "exact_vs_seconds.png",
+            x="seconds",
+            first=first,
+            level=level,
+        )
 
 
 def mean_se(values) -> str:
