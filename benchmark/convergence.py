@@ -552,6 +552,12 @@ def categories_table(base: list, finals: list, sets: dict, kinds: dict) -> list:
 
 def cmd_categories(args, sets):
     """Exact per kind of prompt (`categories_table`) for the results folder and its sweep folders."""
+    if not any("best_of_4_per_prompt" in r for r in base_rows(args.results)):
+        print(
+            f"convergence.py: error: --results {args.results}: no base row with per-prompt exact (run `final` there)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     paths = [args.results / "final.jsonl", *sweep_files(args.results, "final.jsonl")]
     finals = [dict(r, sweep=path.parent.name) for path in paths for r in read_jsonl(path)]
     kinds = {name: prompt_kinds(args.task, prompts) for name, prompts in sets.items()}

@@ -426,3 +426,20 @@ def test_categories_table_gives_each_kinds_exact_for_the_base_and_the_seeds_mean
         got = [float(c) for c in cells[kind][4:8]] + [float(cells[kind][9])]
         assert cells[kind][3] == str(len(pick)) and cells[kind][8] == "leg/crd (2)"
         assert np.allclose(got, want, atol=6e-4), (kind, got, want)
+
+
+def test_categories_without_per_prompt_base_rows_is_one_line_rc_2(tmp_path):
+    """`categories` on a folder with no base row carrying per-prompt lists says so in one line, exits 2."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "benchmark/convergence.py", "categories", "--results", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"convergence.py: error: --results {tmp_path / 'none'}: no base row with per-prompt exact (run `final` there)"
+    ]
