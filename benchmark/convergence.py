@@ -121,6 +121,11 @@ SETTINGS = {
         "grpo",
         ["--full-finetune", "--learning-rate", "1e-4", "--num-prompts", "16", "--group-size", "16"],
     ),
+    # Flow-GRPO's GenEval sampling (`same_latent = False`, `global_std = True`): each image of a group its own initial
+    # noise, advantages z-scored with the batch's std instead of the group's
+    "grpo_indep_globalstd": ("grpo", ["--no-shared-group-noise", "--advantage-std", "global"]),
+    # a 5x lower learning rate for 4x the images: the same summed step size, less random walk (tiny-shapes-8, leg 10)
+    "grpo_lr1e-4": ("grpo", ["--learning-rate", "1e-4"]),
 }
 # settings that run an algorithm file through a wrapper script instead of directly
 SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "shuffled_advantages.py"}
