@@ -443,3 +443,17 @@ def test_categories_without_per_prompt_base_rows_is_one_line_rc_2(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"convergence.py: error: --results {tmp_path / 'none'}: no base row with per-prompt exact (run `final` there)"
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--groups", "12"], "error: --groups must be a positive multiple of 8 (got 12)"),
+        (["--prompts", "missing.jsonl"], "error: prompt file 'missing.jsonl' not found"),
+    ],
+)
+def test_group_spread_bad_inputs_are_one_line_rc_2(argv, message):
+    """benchmark/group_spread.py answers a bad flag in one line, exit 2, before loading a model."""
+    r = run_script(["benchmark/group_spread.py", *argv], check=False, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [message]
