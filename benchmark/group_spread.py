@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+from algos.grpo import sde_window_steps  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 GROUP_SIZE, NUM_STEPS, ETA, SDE_STEPS = 8, 10, 0.7, 4  # algos/grpo.py's defaults
@@ -71,9 +72,8 @@ def main():
     index = np.arange(len(prompts))
     window = list(range(NUM_STEPS))[1:-1]
 
-    def window_subset(c):  # GRPO's --window-mode subset: SDE_STEPS of the window, drawn per chunk
-        perm = torch.randperm(len(window), generator=torch.Generator().manual_seed(args.seed * 1000 + c))
-        return sorted(window[i] for i in perm[:SDE_STEPS])
+    def window_subset(c):  # GRPO's own draw (--window-mode subset): SDE_STEPS of the window, one draw per chunk
+        return sde_window_steps(window, SDE_STEPS, "subset", torch.Generator().manual_seed(args.seed * 1000 + c))
 
     print(f"\n{args.model}, reward {args.reward}, {args.groups} groups of {GROUP_SIZE} training prompts\n")
     print(
