@@ -1,0 +1,160 @@
+"""How much of one optimizer step of each algorithm is signal? The gradient noise scale at the base model.
+
+    python benchmark/gradient_noise.py grpo --full-finetune --model assets/tiny-shapes-8 --num-epochs 40
+    python benchmark/gradient_noise.py crd --full-finetune --model assets/tiny-shapes-8 --num-epochs 40 --out crd.json
+
+A diagnostic for the convergence protocol (benchmark/results/convergence/README.md, leg 11), not an algorithm. It runs
+`algos/<algo>.py` unchanged with every flag given after the algorithm's name, except that each optimizer step's
+gradient is recorded and then zeroed before AdamW sees it (and the weight decay is 0): the weights never leave the
+base, so every epoch is a fresh on-policy batch drawn from the same model, and the recorded gradients are independent
+draws of the algorithm's step direction there. From them, with g one step's gradient over B images (B = prompts x
+group size / optimizer steps per epoch, the algorithm's own batch):
+
+    |G|^2        = mean of g_i . g_j over steps i, j of different epochs     (unbiased: E[g_i . g_j] = G . G)
+    tr(Sigma_B)  = mean of |g_i|^2 - |G|^2                                    (the step's noise)
+    B_noise      = B tr(Sigma_B) / |G|^2                                       (images)
+
+B_noise is McCandlish et al. 2018's simple noise scale (arXiv 1812.06162, Eq. 2.8): the batch in images at which a step
+is half signal, half noise; a step of B images points along the true gradient with cosine sqrt(B / (B + B_noise)).
+It is also reported with every coordinate divided by its root mean square over the steps (the scaling AdamW applies),
+which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints one line and writes `--out` (json).
+"""
+
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+REPO = Path(__file__).resolve().parents[1]
+ALGOS = ("grpo", "dgpo", "nft", "awm", "crd")
+
+
+class Recorder:
+    """Stands in for torch.nn.utils.clip_grad_norm_: keeps each step's gradient (summed per epoch, in float64, plus
+    each epoch's per-coordinate sum of squares and each step's squared norm), then zeroes it so AdamW moves nothing."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+        self.epoch_sums, self.epoch_coord_sq, self.sq_norms = [], [], []
+
+    def __call__(self, params, max_norm=None, *a, **kw):
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten() for p in params])
+        g = g.to(torch.float64).cpu()
+        if len(self.sq_norms) % self.steps_per_epoch == 0:
+            self.epoch_sums.append(torch.zeros_like(g))
+            self.epoch_coord_sq.append(torch.zeros_like(g, dtype=torch.float32))
+        self.epoch_sums[-1] += g
+        self.epoch_coord_sq[-1] += (g * g).float()
+        self.sq_norms.append(float(g @ g))
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        return torch.tensor(float(g @ g) ** 0.5)
+
+
+def noise_scale(gram: np.ndarray, sq_norm_sum: float, steps: np.ndarray, batch: float) -> dict:
+    """|G|^2, tr(Sigma_B) and B_noise from the Gram matrix of the per-epoch gradient sums (cross-epoch pairs only)."""
+    n = steps.sum()
+    pairs = n * n - (steps**2).sum()
+    signal = (gram.sum() - np.trace(gram)) / pairs
+    noise = sq_norm_sum / n - signal
+    return {"signal": signal, "noise": noise, "b_noise": batch * noise / signal if signal > 0 else float("inf")}
+
+
+def jackknife(gram: np.ndarray, sq_by_epoch: np.ndarray, steps: np.ndarray, batch: float) -> dict:
+    full = noise_scale(gram, sq_by_epoch.sum(), steps, batch)
+    n = len(steps)
+    keep = [np.arange(n) != e for e in range(n)]
+    loo = [noise_scale(gram[np.ix_(k, k)], sq_by_epoch[k].sum(), steps[k], batch) for k in keep]
+    out = {}
+    for key, value in full.items():
+        vals = np.array([r[key] for r in loo])
+        finite = np.isfinite(vals).all() and np.isfinite(value)
+        out[key] = float(value)
+        out[f"{key}_se"] = float(np.sqrt((n - 1) / n * ((vals - vals.mean()) ** 2).sum())) if finite else float("nan")
+    # the noise scale's own error is skewed when the signal is near 0: also report it from the signal's lower bound
+    lo = full["signal"] - 2 * out["signal_se"]
+    out["b_noise_2se_high"] = float(batch * full["noise"] / lo) if lo > 0 else float("inf")
+    return out
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in ALGOS:
+        print(f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [algorithm flags]", file=sys.stderr)
+        sys.exit(2)
+    algo, argv = sys.argv[1], sys.argv[2:]
+    out = None
+    if "--out" in argv:
+        i = argv.index("--out")
+        if i + 1 >= len(argv):
+            print("gradient_noise.py: --out needs a file name", file=sys.stderr)
+            sys.exit(2)
+        out = Path(argv[i + 1])
+        del argv[i : i + 2]
+        if not out.parent.is_dir():
+            print(f"gradient_noise.py: --out {out}: the folder {out.parent} does not exist", file=sys.stderr)
+            sys.exit(2)
+    spec = importlib.util.spec_from_file_location(algo, REPO / "algos" / f"{algo}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
+    import run
+
+    tmp = tempfile.TemporaryDirectory(prefix="gradient_noise_")
+    # no evaluation or checkpoint in between (the weights never move), the run folder thrown away, AdamW's decay off
+    argv = [*argv, "--weight-decay", "0", "--eval-every", "1000000", "--save-every", "1000000", "--output-dir", tmp.name]
+    args = tyro.cli(module.Args, args=run.upgrade_argv(argv, module.Args))
+    if args.num_epochs < 3:
+        print("gradient_noise.py: needs --num-epochs >= 3 (pairs of steps from different epochs)", file=sys.stderr)
+        sys.exit(2)
+    steps_per_epoch = args.grad_steps_per_epoch * getattr(args, "num_inner_epochs", 1)
+    batch = args.num_prompts * args.group_size / args.grad_steps_per_epoch
+    recorder = Recorder(steps_per_epoch)
+    torch.nn.utils.clip_grad_norm_ = recorder
+    try:
+        run.run_main(module.main, args, argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    steps = len(recorder.sq_norms)
+    if steps != args.num_epochs * steps_per_epoch:
+        raise SystemExit(f"gradient_noise.py: expected {args.num_epochs * steps_per_epoch} optimizer steps, saw {steps}")
+    sums = torch.stack(recorder.epoch_sums)
+    sq = np.array(recorder.sq_norms).reshape(-1, steps_per_epoch).sum(1)
+    per_epoch = np.full(len(sums), steps_per_epoch, dtype=np.float64)
+    plain = jackknife((sums @ sums.T).numpy(), sq, per_epoch, batch)
+    # AdamW's view: each coordinate divided by its root mean square over all steps (the second moment it divides by)
+    coord_sq = torch.stack(recorder.epoch_coord_sq).double()
+    total_sq = coord_sq.sum(0)
+    w = torch.where(total_sq > 0, steps / total_sq.clamp_min(1e-300), torch.zeros_like(total_sq))
+    ws = sums * w.sqrt()
+    adam = jackknife((ws @ ws.T).numpy(), (coord_sq @ w).numpy(), per_epoch, batch)
+    result = {
+        "algo": algo,
+        "flags": sys.argv[2:],
+        "model": args.model,
+        "reward": args.reward,
+        "params": int(sums.shape[1]),
+        "epochs": args.num_epochs,
+        "steps": steps,
+        "images_per_step": batch,
+        "plain": plain,
+        "adam": adam,
+    }
+    cos = (batch / (batch + plain["b_noise"])) ** 0.5 if np.isfinite(plain["b_noise"]) else 0.0
+    print(
+        f"{algo}: {steps} steps of {batch:g} images; |G|^2 {plain['signal']:.3g} +- {plain['signal_se']:.2g}, "
+        f"tr(Sigma_B) {plain['noise']:.3g}; B_noise {plain['b_noise']:.4g} images (Adam-scaled {adam['b_noise']:.4g}); "
+        f"cos(step, G) {cos:.3f}"
+    )
+    if out:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
