@@ -18,6 +18,10 @@ B_noise is McCandlish et al. 2018's simple noise scale (arXiv 1812.06162, Eq. 2.
 is half signal, half noise; a step of B images points along the true gradient with cosine sqrt(B / (B + B_noise)).
 It is also reported with every coordinate divided by its root mean square over the steps (the scaling AdamW applies),
 which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints one line and writes `--out` (json).
+
+    python benchmark/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise
+
+prints the markdown table of every json in a folder.
 """
 
 import importlib.util
@@ -78,15 +82,60 @@ def jackknife(gram: np.ndarray, sq_by_epoch: np.ndarray, steps: np.ndarray, batc
         finite = np.isfinite(vals).all() and np.isfinite(value)
         out[key] = float(value)
         out[f"{key}_se"] = float(np.sqrt((n - 1) / n * ((vals - vals.mean()) ** 2).sum())) if finite else float("nan")
-    # the noise scale's own error is skewed when the signal is near 0: also report it from the signal's lower bound
-    lo = full["signal"] - 2 * out["signal_se"]
-    out["b_noise_2se_high"] = float(batch * full["noise"] / lo) if lo > 0 else float("inf")
     return out
 
 
+def b_noise_range(r: dict, batch: float) -> tuple:
+    """B_noise from the signal +- 2 SE: (low, high); high is inf when the signal is not 2 SE above 0."""
+    lo, hi = r["signal"] - 2 * r["signal_se"], r["signal"] + 2 * r["signal_se"]
+    return batch * r["noise"] / hi if hi > 0 else float("inf"), batch * r["noise"] / lo if lo > 0 else float("inf")
+
+
+def fmt(x: float) -> str:
+    return "inf" if not np.isfinite(x) else f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def table(folder: Path):
+    """The markdown table of every result in `folder`, sorted by the plain noise scale's lower end."""
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        print(f"gradient_noise.py: table: no .json results in {folder}", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for f in files:
+        r = json.loads(f.read_text())
+        b = r["images_per_step"]
+        skip = {"--out", "--num-epochs", "--model", "--seed", "--reward", "--train-prompts", "--test-prompts"}
+        flags = [a for i, a in enumerate(r["flags"]) if a not in skip and r["flags"][i - 1] not in skip]
+        lo, hi = b_noise_range(r["plain"], b)
+        alo, ahi = b_noise_range(r["adam"], b)
+        p = r["plain"]
+        cos = (b / (b + p["b_noise"])) ** 0.5 if p["signal"] > 0 else 0.0
+        rows.append(
+            (
+                lo,
+                f"| {f.stem} | {' '.join([r['algo'], *flags])} | {Path(r['model']).name} | {r['reward']} | {b:g} x "
+                f"{r['steps']} | {p['signal']:.3g} ± {p['signal_se']:.2g} | {p['noise']:.3g} | {fmt(p['b_noise'])} "
+                f"({fmt(lo)}-{fmt(hi)}) | {fmt(r['adam']['b_noise'])} ({fmt(alo)}-{fmt(ahi)}) | {cos:.2f} |",
+            )
+        )
+    print(
+        "| result | algorithm and flags | model | reward | images per step x steps | signal \\|G\\|^2 ± SE | "
+        "noise tr(Sigma_B) | B_noise, images (2 SE range) | Adam-scaled B_noise (2 SE range) | cos(step, G) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for _, row in sorted(rows, key=lambda t: t[0]):
+        print(row)
+
+
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "table":
+        if len(sys.argv) != 3 or not Path(sys.argv[2]).is_dir():
+            print("usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)", file=sys.stderr)
+            sys.exit(2)
+        return table(Path(sys.argv[2]))
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS:
-        print(f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [algorithm flags]", file=sys.stderr)
+        print(f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [algorithm flags] | table FOLDER", file=sys.stderr)
         sys.exit(2)
     algo, argv = sys.argv[1], sys.argv[2:]
     out = None
