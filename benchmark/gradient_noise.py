@@ -14,10 +14,14 @@ group size / optimizer steps per epoch, the algorithm's own batch):
     tr(Sigma_B)  = mean of |g_i|^2 - |G|^2                                    (the step's noise)
     B_noise      = B tr(Sigma_B) / |G|^2                                       (images)
 
-B_noise is McCandlish et al. 2018's simple noise scale (arXiv 1812.06162, Eq. 2.8): the batch in images at which a step
-is half signal, half noise; a step of B images points along the true gradient with cosine sqrt(B / (B + B_noise)).
+B_noise is McCandlish et al. 2018's simple noise scale B_simple (arXiv 1812.06162, Sec. 2.2): the batch in images at
+which a step is half signal, half noise; a step of B images points along the true gradient with cosine
+sqrt(B / (B + B_noise)).
 It is also reported with every coordinate divided by its root mean square over the steps (the scaling AdamW applies),
 which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints one line and writes `--out` (json).
+`--shuffled-advantages`: each batch's advantages permuted across its images first (as
+benchmark/shuffled_advantages.py), a control that keeps the loss's form and scale and removes the reward: what signal
+remains does not come from the reward.
 
     python benchmark/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise
 
@@ -135,7 +139,10 @@ def main():
             sys.exit(2)
         return table(Path(sys.argv[2]))
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS:
-        print(f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [algorithm flags] | table FOLDER", file=sys.stderr)
+        print(
+            f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER",
+            file=sys.stderr,
+        )
         sys.exit(2)
     algo, argv = sys.argv[1], sys.argv[2:]
     out = None
@@ -149,9 +156,19 @@ def main():
         if not out.parent.is_dir():
             print(f"gradient_noise.py: --out {out}: the folder {out.parent} does not exist", file=sys.stderr)
             sys.exit(2)
+    shuffled = "--shuffled-advantages" in argv
+    argv = [a for a in argv if a != "--shuffled-advantages"]
     spec = importlib.util.spec_from_file_location(algo, REPO / "algos" / f"{algo}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
+    if shuffled:
+        real, gen = module.aggregate_advantages, torch.Generator().manual_seed(0)
+
+        def shuffled_advantages(*a, **kw):
+            adv = real(*a, **kw)
+            return adv[torch.randperm(adv.numel(), generator=gen)]
+
+        module.aggregate_advantages = shuffled_advantages
     import run
 
     tmp = tempfile.TemporaryDirectory(prefix="gradient_noise_")
@@ -186,6 +203,7 @@ def main():
     result = {
         "algo": algo,
         "flags": sys.argv[2:],
+        "shuffled_advantages": shuffled,
         "model": args.model,
         "reward": args.reward,
         "params": int(sums.shape[1]),

@@ -510,7 +510,10 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["sft"], "usage: gradient_noise.py {grpo,dgpo,nft,awm,crd} [--out FILE] [algorithm flags] | table FOLDER"),
+        (
+            ["sft"],
+            "usage: gradient_noise.py {grpo,dgpo,nft,awm,crd} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER",
+        ),
         (
             ["grpo", "--out", "no/such/folder/g.json"],
             "gradient_noise.py: --out no/such/folder/g.json: the folder no/such/folder does not exist",
