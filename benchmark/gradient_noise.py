@@ -28,6 +28,7 @@ remains does not come from the reward.
 prints the markdown table of every json in a folder.
 """
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -89,6 +90,14 @@ def jackknife(gram: np.ndarray, sq_by_epoch: np.ndarray, steps: np.ndarray, batc
     return out
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Its own flags' errors in one line, exit 2 (the algorithm's flags are checked by the algorithm's own parser)."""
+
+    def error(self, message):
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def b_noise_range(r: dict, batch: float) -> tuple:
     """B_noise from the signal +- 2 SE: (low, high); high is inf when the signal is not 2 SE above 0."""
     lo, hi = r["signal"] - 2 * r["signal_se"], r["signal"] + 2 * r["signal_se"]
@@ -144,20 +153,15 @@ def main():
             file=sys.stderr,
         )
         sys.exit(2)
-    algo, argv = sys.argv[1], sys.argv[2:]
-    out = None
-    if "--out" in argv:
-        i = argv.index("--out")
-        if i + 1 >= len(argv):
-            print("gradient_noise.py: --out needs a file name", file=sys.stderr)
-            sys.exit(2)
-        out = Path(argv[i + 1])
-        del argv[i : i + 2]
-        if not out.parent.is_dir():
-            print(f"gradient_noise.py: --out {out}: the folder {out.parent} does not exist", file=sys.stderr)
-            sys.exit(2)
-    shuffled = "--shuffled-advantages" in argv
-    argv = [a for a in argv if a != "--shuffled-advantages"]
+    algo = sys.argv[1]
+    ap = OneLineParser(prog="gradient_noise.py", add_help=False, allow_abbrev=False)
+    ap.add_argument("--out", type=Path, help="the json result")
+    ap.add_argument("--shuffled-advantages", action="store_true", help="the control: advantages permuted per batch")
+    opts, argv = ap.parse_known_args(sys.argv[2:])  # the rest are the algorithm's own flags
+    out, shuffled = opts.out, opts.shuffled_advantages
+    if out is not None and not out.parent.is_dir():
+        ap.error(f"--out {out}: the folder {out.parent} does not exist")
+    flags = argv + ["--shuffled-advantages"] * shuffled  # what the result records (no --out: no machine's folder)
     spec = importlib.util.spec_from_file_location(algo, REPO / "algos" / f"{algo}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
@@ -202,7 +206,7 @@ def main():
     adam = jackknife((ws @ ws.T).numpy(), (coord_sq @ w).numpy(), per_epoch, batch)
     result = {
         "algo": algo,
-        "flags": sys.argv[2:],
+        "flags": flags,
         "shuffled_advantages": shuffled,
         "model": args.model,
         "reward": args.reward,

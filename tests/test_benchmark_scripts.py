@@ -501,7 +501,7 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
     evals = [line.split(": ", 1)[1] for line in r.stdout.splitlines() if "eval after" in line]
     assert len(evals) == 2 and evals[0] == evals[1]
     result = json.loads(out.read_text())
-    assert result["steps"] == 6 and result["images_per_step"] == 32
+    assert result["steps"] == 6 and result["images_per_step"] == 32 and result["flags"] == ["--num-epochs", "3"]
     assert result["plain"]["noise"] > 0 and result["params"] > 0
     rows = run_script(["benchmark/gradient_noise.py", "table", tmp_path], timeout=120).stdout.splitlines()
     assert len(rows) == 3 and rows[2].startswith("| g | grpo | tiny-shapes | shapes_clean | 32 x 6 |")
@@ -518,7 +518,7 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
             ["grpo", "--out", "no/such/folder/g.json"],
             "gradient_noise.py: --out no/such/folder/g.json: the folder no/such/folder does not exist",
         ),
-        (["grpo", "--out"], "gradient_noise.py: --out needs a file name"),
+        (["grpo", "--out"], "gradient_noise.py: argument --out: expected one argument"),
         (["table"], "usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)"),
         (["table", "no/such/folder"], "usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)"),
         (["crd", "--num-epochs", "2"], "gradient_noise.py: needs --num-epochs >= 3 (pairs of steps from different epochs)"),
