@@ -23,9 +23,9 @@ which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints 
 benchmark/shuffled_advantages.py), a control that keeps the loss's form and scale and removes the reward: what signal
 remains does not come from the reward.
 
-    python benchmark/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise
+    python benchmark/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise --plot noise.png
 
-prints the markdown table of every json in a folder.
+prints the markdown table of every json in a folder (and with --plot draws it).
 """
 
 import argparse
@@ -108,8 +108,34 @@ def fmt(x: float) -> str:
     return "inf" if not np.isfinite(x) else f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def table(folder: Path):
-    """The markdown table of every result in `folder`, sorted by the plain noise scale's lower end."""
+def plot(points: list, path: Path):
+    """B_noise of each result on a log axis: the point, and the 2 SE range as a bar (an arrow where it is open above)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(points) + 1.4))
+    top = max(hi if np.isfinite(hi) else lo for _, lo, _, hi, _ in points) * 3
+    for y, (name, lo, mid, hi, colour) in enumerate(points):
+        right = hi if np.isfinite(hi) else top
+        ax.plot([lo, right], [y, y], color=colour, lw=3, alpha=0.5)
+        if np.isfinite(mid) and mid > 0:
+            ax.plot(mid, y, "o", color=colour)
+        if not np.isfinite(hi):
+            ax.annotate("", (top * 1.4, y), (right, y), arrowprops=dict(arrowstyle="->", color=colour))
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(points)), [p[0] for p in points], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("B_noise, images: the batch at which a step is half signal")
+    ax.set_title("gradient noise scale at the base model (bar: 2 SE range; arrow: open above)", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(folder: Path, png: Path = None):
+    """The markdown table of every result in `folder`, sorted by the plain noise scale's lower end; `png`: its plot."""
     files = sorted(folder.glob("*.json"))
     if not files:
         print(f"gradient_noise.py: table: no .json results in {folder}", file=sys.stderr)
@@ -124,9 +150,12 @@ def table(folder: Path):
         alo, ahi = b_noise_range(r["adam"], b)
         p = r["plain"]
         cos = (b / (b + p["b_noise"])) ** 0.5 if p["signal"] > 0 else 0.0
+        colour = "tab:red" if r["algo"] == "grpo" else "tab:grey" if r.get("shuffled_advantages") else "tab:blue"
+        label = f"{' '.join([r['algo'], *flags])} ({Path(r['model']).name}, {r['reward']}, {r['steps']} steps)"
         rows.append(
             (
                 lo,
+                (label, lo, p["b_noise"] if p["signal"] > 0 else float("inf"), hi, colour),
                 f"| {f.stem} | {' '.join([r['algo'], *flags])} | {Path(r['model']).name} | {r['reward']} | {b:g} x "
                 f"{r['steps']} | {p['signal']:.3g} ± {p['signal_se']:.2g} | {p['noise']:.3g} | {fmt(p['b_noise'])} "
                 f"({fmt(lo)}-{fmt(hi)}) | {fmt(r['adam']['b_noise'])} ({fmt(alo)}-{fmt(ahi)}) | {cos:.2f} |",
@@ -137,16 +166,26 @@ def table(folder: Path):
         "noise tr(Sigma_B) | B_noise, images (2 SE range) | Adam-scaled B_noise (2 SE range) | cos(step, G) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for _, row in sorted(rows, key=lambda t: t[0]):
+    rows.sort(key=lambda t: t[0])
+    for *_, row in rows:
         print(row)
+    if png:
+        plot([point for _, point, _ in rows], png)
 
 
 def main():
     if len(sys.argv) >= 2 and sys.argv[1] == "table":
-        if len(sys.argv) != 3 or not Path(sys.argv[2]).is_dir():
-            print("usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)", file=sys.stderr)
-            sys.exit(2)
-        return table(Path(sys.argv[2]))
+        ap = OneLineParser(prog="gradient_noise.py table", allow_abbrev=False)
+        ap.add_argument("folder", type=Path, help="a folder of gradient_noise.py's json results")
+        ap.add_argument("--plot", type=Path, help="also draw the noise scales into this .png")
+        opts = ap.parse_args(sys.argv[2:])
+        if not opts.folder.is_dir():
+            ap.error(f"{opts.folder}: not a folder")
+        if opts.plot and not opts.plot.parent.is_dir():
+            ap.error(f"--plot {opts.plot}: the folder {opts.plot.parent} does not exist")
+        if opts.plot and importlib.util.find_spec("matplotlib") is None:
+            ap.error("--plot needs matplotlib: pip install -r benchmark/requirements.txt")
+        return table(opts.folder, opts.plot)
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS:
         print(
             f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER",

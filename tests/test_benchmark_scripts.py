@@ -519,8 +519,12 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
             "gradient_noise.py: --out no/such/folder/g.json: the folder no/such/folder does not exist",
         ),
         (["grpo", "--out"], "gradient_noise.py: argument --out: expected one argument"),
-        (["table"], "usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)"),
-        (["table", "no/such/folder"], "usage: gradient_noise.py table FOLDER (a folder of gradient_noise.py's json results)"),
+        (["table"], "gradient_noise.py table: the following arguments are required: folder"),
+        (["table", "no/such/folder"], "gradient_noise.py table: no/such/folder: not a folder"),
+        (
+            ["table", "tests", "--plot", "no/such/g.png"],
+            "gradient_noise.py table: --plot no/such/g.png: the folder no/such does not exist",
+        ),
         (["crd", "--num-epochs", "2"], "gradient_noise.py: needs --num-epochs >= 3 (pairs of steps from different epochs)"),
     ],
 )
