@@ -90,6 +90,17 @@ def jackknife(gram: np.ndarray, sq_by_epoch: np.ndarray, steps: np.ndarray, batc
     return out
 
 
+def adam_scaled(sums: torch.Tensor, coord_sq: torch.Tensor, steps: int) -> tuple:
+    """AdamW's view of the steps: each coordinate divided by its root mean square over all `steps` (the second moment
+    AdamW divides by; a coordinate that never had a gradient is left out). From the per-epoch gradient sums and
+    per-epoch per-coordinate sums of squares [epochs, d]: the scaled sums' Gram matrix and each epoch's summed scaled
+    squared norms, jackknife's inputs."""
+    total_sq = coord_sq.sum(0)
+    w = torch.where(total_sq > 0, steps / total_sq.clamp_min(1e-300), torch.zeros_like(total_sq))
+    scaled = sums * w.sqrt()
+    return (scaled @ scaled.T).numpy(), (coord_sq @ w).numpy()
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Its own flags' errors in one line, exit 2 (the algorithm's flags are checked by the algorithm's own parser)."""
 
@@ -237,12 +248,7 @@ def main():
     sq = np.array(recorder.sq_norms).reshape(-1, steps_per_epoch).sum(1)
     per_epoch = np.full(len(sums), steps_per_epoch, dtype=np.float64)
     plain = jackknife((sums @ sums.T).numpy(), sq, per_epoch, batch)
-    # AdamW's view: each coordinate divided by its root mean square over all steps (the second moment it divides by)
-    coord_sq = torch.stack(recorder.epoch_coord_sq).double()
-    total_sq = coord_sq.sum(0)
-    w = torch.where(total_sq > 0, steps / total_sq.clamp_min(1e-300), torch.zeros_like(total_sq))
-    ws = sums * w.sqrt()
-    adam = jackknife((ws @ ws.T).numpy(), (coord_sq @ w).numpy(), per_epoch, batch)
+    adam = jackknife(*adam_scaled(sums, torch.stack(recorder.epoch_coord_sq).double(), steps), per_epoch, batch)
     result = {
         "algo": algo,
         "flags": flags,

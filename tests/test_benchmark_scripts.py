@@ -491,6 +491,33 @@ def test_gradient_noise_scale_against_every_pair_of_steps():
     assert abs(est["b_noise"] - batch * noise / signal) < 3 * est["b_noise_se"]
 
 
+def test_gradient_noise_adam_scaling_and_ranges_against_each_step():
+    """adam_scaled (from per-epoch sums) against dividing every step's gradient by the coordinates' RMS over all steps
+    and taking the cross-epoch pairs one by one; b_noise_range against its definition."""
+    import numpy as np
+    import torch
+
+    from benchmark.gradient_noise import adam_scaled, b_noise_range, noise_scale
+
+    rng = np.random.default_rng(1)
+    epochs, per_epoch, d = 5, 2, 40
+    g = rng.normal(size=(epochs, per_epoch, d)) * rng.uniform(0.1, 10, size=d) + 0.3
+    g[..., 0] = 0.0  # a coordinate without gradient is left out
+    steps = g.reshape(-1, d)
+    rms = np.sqrt((steps**2).mean(0))
+    scaled = np.divide(steps, rms, out=np.zeros_like(steps), where=rms > 0)
+    epoch_of = np.repeat(np.arange(epochs), per_epoch)
+    n = len(scaled)
+    pairs = [scaled[i] @ scaled[j] for i in range(n) for j in range(n) if epoch_of[i] != epoch_of[j]]
+    gram, sq = adam_scaled(torch.tensor(g.sum(1)), torch.tensor((g**2).sum(1)), n)
+    out = noise_scale(gram, sq.sum(), np.full(epochs, per_epoch, dtype=float), 8.0)
+    assert abs(out["signal"] - np.mean(pairs)) < 1e-9
+    assert abs(out["noise"] - ((scaled**2).sum(1).mean() - np.mean(pairs))) < 1e-9
+    assert abs(sq.sum() / n - (d - 1)) < 1e-9  # every used coordinate scaled to mean square 1
+    assert b_noise_range({"signal": 2.0, "signal_se": 0.5, "noise": 6.0}, 8.0) == (8.0 * 6 / 3.0, 8.0 * 6 / 1.0)
+    assert b_noise_range({"signal": 0.5, "signal_se": 0.5, "noise": 6.0}, 8.0) == (8.0 * 6 / 1.5, float("inf"))
+
+
 def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
     """A 3-epoch GRPO run through benchmark/gradient_noise.py on the tiny model: 6 steps recorded, and the final eval
     equals the eval before training to the digit (AdamW never moved a weight)."""
