@@ -112,7 +112,7 @@ SETTINGS = {
         ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--full-finetune", "--learning-rate", "1e-4"],
     ),
     # why GRPO with every weight falls: a lower learning rate, a KL to the base, and a control whose advantages are
-    # shuffled across the batch (no reward signal, the same update noise; benchmark/shuffled_advantages.py)
+    # shuffled across the batch (no reward signal, the same update noise; benchmark/studies/shuffled_advantages.py)
     "grpo_full_lr1e-5": ("grpo", ["--full-finetune", "--learning-rate", "1e-5"]),
     "grpo_full_kl0.04_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.04"]),
     "grpo_full_shuffled_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
@@ -128,7 +128,7 @@ SETTINGS = {
     "grpo_lr1e-4": ("grpo", ["--learning-rate", "1e-4"]),
 }
 # settings that run an algorithm file through a wrapper script instead of directly
-SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "shuffled_advantages.py"}
+SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "studies" / "shuffled_advantages.py"}
 
 
 def shapes_metrics(images, prompts):

@@ -64,7 +64,7 @@ def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_
     GRPO's size), not the same order (so no reward signal), and the same order again for the same rewards (resume)."""
     import torch
 
-    from benchmark import shuffled_advantages as control
+    from benchmark.studies import shuffled_advantages as control
 
     scores = {"shapes_clean": torch.rand(64, generator=torch.Generator().manual_seed(0))}
     real = control.real_advantages(scores, {"shapes_clean": 1.0}, 8)
@@ -453,8 +453,8 @@ def test_categories_without_per_prompt_base_rows_is_one_line_rc_2(tmp_path):
     ],
 )
 def test_group_spread_bad_inputs_are_one_line_rc_2(argv, message):
-    """benchmark/group_spread.py answers a bad flag in one line, exit 2, before loading a model."""
-    r = run_script(["benchmark/group_spread.py", *argv], check=False, timeout=120)
+    """benchmark/studies/group_spread.py answers a bad flag in one line, exit 2, before loading a model."""
+    r = run_script(["benchmark/studies/group_spread.py", *argv], check=False, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [message]
 
@@ -465,7 +465,7 @@ def test_gradient_noise_scale_against_every_pair_of_steps():
     tr(Sigma_B)."""
     import numpy as np
 
-    from benchmark.gradient_noise import jackknife, noise_scale
+    from benchmark.studies.gradient_noise import jackknife, noise_scale
 
     rng = np.random.default_rng(0)
     d, epochs, per_epoch, batch = 500, 6, 3, 32.0
@@ -497,7 +497,7 @@ def test_gradient_noise_adam_scaling_and_ranges_against_each_step():
     import numpy as np
     import torch
 
-    from benchmark.gradient_noise import adam_scaled, b_noise_range, noise_scale
+    from benchmark.studies.gradient_noise import adam_scaled, b_noise_range, noise_scale
 
     rng = np.random.default_rng(1)
     epochs, per_epoch, d = 5, 2, 40
@@ -519,18 +519,18 @@ def test_gradient_noise_adam_scaling_and_ranges_against_each_step():
 
 
 def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
-    """A 3-epoch GRPO run through benchmark/gradient_noise.py on the tiny model: 6 steps recorded, and the final eval
+    """A 3-epoch GRPO run through benchmark/studies/gradient_noise.py on the tiny model: 6 steps recorded, and the final eval
     equals the eval before training to the digit (AdamW never moved a weight)."""
     import json
 
     out = tmp_path / "g.json"
-    r = run_script(["benchmark/gradient_noise.py", "grpo", "--num-epochs", "3", "--out", out], timeout=600)
+    r = run_script(["benchmark/studies/gradient_noise.py", "grpo", "--num-epochs", "3", "--out", out], timeout=600)
     evals = [line.split(": ", 1)[1] for line in r.stdout.splitlines() if "eval after" in line]
     assert len(evals) == 2 and evals[0] == evals[1]
     result = json.loads(out.read_text())
     assert result["steps"] == 6 and result["images_per_step"] == 32 and result["flags"] == ["--num-epochs", "3"]
     assert result["plain"]["noise"] > 0 and result["params"] > 0
-    rows = run_script(["benchmark/gradient_noise.py", "table", tmp_path], timeout=120).stdout.splitlines()
+    rows = run_script(["benchmark/studies/gradient_noise.py", "table", tmp_path], timeout=120).stdout.splitlines()
     assert len(rows) == 3 and rows[2].startswith("| g | grpo | tiny-shapes | shapes_clean | 32 x 6 |")
 
 
@@ -556,7 +556,20 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
     ],
 )
 def test_gradient_noise_bad_inputs_are_one_line_rc_2(argv, message):
-    """benchmark/gradient_noise.py answers a bad argument in one line, exit 2, before loading a model."""
-    r = run_script(["benchmark/gradient_noise.py", *argv], check=False, timeout=120)
+    """benchmark/studies/gradient_noise.py answers a bad argument in one line, exit 2, before loading a model."""
+    r = run_script(["benchmark/studies/gradient_noise.py", *argv], check=False, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [message]
+
+
+@pytest.mark.parametrize("study", sorted(p.name for p in (REPO / "benchmark" / "studies").glob("*.py")))
+def test_every_study_answers_help(study):
+    """The finished studies moved to benchmark/studies/ still find the repository: `--help` works, exit 0."""
+    r = run_script([f"benchmark/studies/{study}", "--help"], timeout=300)
+    assert r.returncode == 0 and "usage" in r.stdout.lower()
+
+
+def test_the_studies_index_lists_every_study():
+    index = (REPO / "benchmark" / "studies" / "README.md").read_text()
+    for study in (REPO / "benchmark" / "studies").glob("*.py"):
+        assert f"]({study.name})" in index, f"{study.name} is not in benchmark/studies/README.md"

@@ -39,7 +39,12 @@ def known_flags() -> set:
         args = importlib.import_module(f"algos.{algo}").Args
         for f in dataclasses.fields(args):
             flags |= {"--" + f.name.replace("_", "-"), "--no-" + f.name.replace("_", "-")}
-    for script in [*REPO.glob("benchmark/*.py"), *REPO.glob("assets/*.py"), REPO / "rewards" / "server.py"]:
+    for script in [
+        *REPO.glob("benchmark/*.py"),
+        *REPO.glob("benchmark/studies/*.py"),
+        *REPO.glob("assets/*.py"),
+        REPO / "rewards" / "server.py",
+    ]:
         text = script.read_text()
         for flag, rest in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"([^)]*)", text):
             flags |= {flag, "--no-" + flag[2:]} if "BooleanOptionalAction" in rest else {flag}

@@ -1,7 +1,7 @@
 """How much does the reward differ inside one of GRPO's groups, and which sampling step's noise moves it?
 
-    python benchmark/group_spread.py --model assets/tiny-shapes-8                     # shapes_clean, training prompts
-    python benchmark/group_spread.py --model assets/tiny-text --reward ocr --prompts assets/text_train.jsonl
+    python benchmark/studies/group_spread.py --model assets/tiny-shapes-8                     # shapes_clean, training prompts
+    python benchmark/studies/group_spread.py --model assets/tiny-text --reward ocr --prompts assets/text_train.jsonl
 
 A diagnostic for the convergence protocol (benchmark/results/convergence/README.md, leg 10), not an algorithm: why
 GRPO gains on tiny-text OCR and not on tiny-shapes. The base model draws `--groups` groups of 8 images of training
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
 from algos.grpo import sde_window_steps  # noqa: E402

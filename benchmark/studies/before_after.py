@@ -1,6 +1,6 @@
 """Before/after picture of one run: its first and last captioned eval grids (same prompts, same noise), stacked.
 
-    python benchmark/before_after.py runs/<run> --out benchmark/results/shapes/hacking.png
+    python benchmark/studies/before_after.py runs/<run> --out benchmark/results/shapes/hacking.png
 
 Every run writes runs/<run>/samples/eval_<images seen>.png at each evaluation (the base model at 0 images); this puts
 the first above the last with a title each, so that what RL changed, e.g. extra objects, is seen at a glance.

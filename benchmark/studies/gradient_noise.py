@@ -1,7 +1,7 @@
 """How much of one optimizer step of each algorithm is signal? The gradient noise scale at the base model.
 
-    python benchmark/gradient_noise.py grpo --full-finetune --model assets/tiny-shapes-8 --num-epochs 40
-    python benchmark/gradient_noise.py crd --full-finetune --model assets/tiny-shapes-8 --num-epochs 40 --out crd.json
+    python benchmark/studies/gradient_noise.py grpo --full-finetune --model assets/tiny-shapes-8 --num-epochs 40
+    python benchmark/studies/gradient_noise.py crd --full-finetune --model assets/tiny-shapes-8 --num-epochs 40 --out crd.json
 
 A diagnostic for the convergence protocol (benchmark/results/convergence/README.md, leg 11), not an algorithm. It runs
 `algos/<algo>.py` unchanged with every flag given after the algorithm's name, except that each optimizer step's
@@ -20,10 +20,10 @@ sqrt(B / (B + B_noise)).
 It is also reported with every coordinate divided by its root mean square over the steps (the scaling AdamW applies),
 which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints one line and writes `--out` (json).
 `--shuffled-advantages`: each batch's advantages permuted across its images first (as
-benchmark/shuffled_advantages.py), a control that keeps the loss's form and scale and removes the reward: what signal
+benchmark/studies/shuffled_advantages.py), a control that keeps the loss's form and scale and removes the reward: what signal
 remains does not come from the reward.
 
-    python benchmark/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise --plot noise.png
+    python benchmark/studies/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise
 
 prints the markdown table of every json in a folder (and with --plot draws it).
 """
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import tyro
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALGOS = ("grpo", "dgpo", "nft", "awm", "crd")
 
 
@@ -197,11 +197,12 @@ def main():
         if opts.plot and importlib.util.find_spec("matplotlib") is None:
             ap.error("--plot needs matplotlib: pip install -r benchmark/requirements.txt")
         return table(opts.folder, opts.plot)
+    usage = f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER"
+    if sys.argv[1:] in (["--help"], ["-h"]):  # the usage and this file's docstring; `ALGO --help` lists the file's flags
+        print(f"{usage}\n\n{__doc__}")
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS:
-        print(
-            f"usage: gradient_noise.py {{{','.join(ALGOS)}}} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER",
-            file=sys.stderr,
-        )
+        print(usage, file=sys.stderr)
         sys.exit(2)
     algo = sys.argv[1]
     ap = OneLineParser(prog="gradient_noise.py", add_help=False, allow_abbrev=False)
@@ -214,6 +215,7 @@ def main():
     flags = argv + ["--shuffled-advantages"] * shuffled  # what the result records (no --out: no machine's folder)
     spec = importlib.util.spec_from_file_location(algo, REPO / "algos" / f"{algo}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[algo] = module  # tyro reads Args' field docstrings through the module, so it must be findable
     spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
     if shuffled:
         real, gen = module.aggregate_advantages, torch.Generator().manual_seed(0)

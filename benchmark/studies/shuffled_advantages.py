@@ -5,7 +5,7 @@ GRPO with every weight trained loses reward and held-out exact on tiny-shapes wh
 PPO's clip. If a run with shuffled advantages falls as fast, the real run's updates are mostly noise at this batch
 size: AdamW scales noise and signal to the same step size, and the steps add up to a random walk away from the base.
 
-    python benchmark/shuffled_advantages.py --full-finetune --learning-rate 1e-4 --exp-name grpo_shuffled ...
+    python benchmark/studies/shuffled_advantages.py --full-finetune --learning-rate 1e-4 --exp-name grpo_shuffled ...
 
 takes every flag of algos/grpo.py (`benchmark/convergence.py train grpo_full_shuffled_lr1e-4` runs it).
 """
@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 import tyro
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("grpo", REPO / "algos" / "grpo.py")
 grpo = importlib.util.module_from_spec(spec)
+sys.modules["grpo"] = grpo  # tyro reads Args' field docstrings through the module, so it must be findable
 spec.loader.exec_module(grpo)  # puts the repo on sys.path, as running the script does
 import run  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Can the tiny model learn "exact" at all? Fine-tune its LoRA on its own exact samples and measure.
 
-    python benchmark/sft_ceiling.py                          # CFG 4.5 samples, 16 per training prompt, 1000 steps
-    python benchmark/sft_ceiling.py --guidance-scale 1 --samples-per-prompt 32
+    python benchmark/studies/sft_ceiling.py                          # CFG 4.5 samples, 16 per training prompt, 1000 steps
+    python benchmark/studies/sft_ceiling.py --guidance-scale 1 --samples-per-prompt 32
 
 A diagnostic for the convergence protocol (benchmark/results/convergence/README.md), not an algorithm of the project:
 rejection-sampling fine-tuning (RAFT, arXiv 2304.06767, one round). The base model samples every training prompt
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
 from assets import world  # noqa: E402
