@@ -1,0 +1,107 @@
+"""The README's results table, from the committed scores of the 960-image held-out protocol.
+
+    python benchmark/results_table.py
+
+One protocol for every row: each export (what a user loads: runs/<run>/transformer or lora) sampled in a fresh stock
+pipeline, ODE 10 steps at CFG 1, on the 30 held-out prompts x 32 noises (960 images) of tiny-shapes and tiny-shapes-8,
+or the 64 held-out words x 8 noises (512 images) of tiny-text, paired with the base on the same noises at CFG 1 and at
+CFG 4.5 (`python benchmark/convergence.py final RUN ... --noises 32 --sets test`, which wrote the `final.jsonl` files
+read here). A gain is the mean over prompts of the seeds' mean per-prompt gain, ± one standard error over prompts
+(it carries the base's own noise on these images); bold when beyond two. Extra objects: per image, mean over seeds.
+Prints markdown; reads only the jsonl files named in ROWS.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark.convergence import mean_se, read_jsonl  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TESTBEDS = {"tiny-shapes": "30 x 32", "tiny-shapes-8": "30 x 32", "tiny-text (OCR)": "64 x 8"}
+# testbed, algorithm, the results folder holding its final.jsonl (and the base scored on the same noises), the
+# setting's name in it, the committed export of one of its seeds (None: not in the tree; each run's command remakes it)
+ROWS = [
+    ("tiny-shapes", "crd", "shapes_clean/rescore32", "crd", None),
+    ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),
+    ("tiny-shapes", "nft", "shapes_clean/rescore32", "nft", None),
+    ("tiny-shapes", "crd", "convergence/rescore32", "crd_full_lr1e-4", "convergence/leg2/crd_full_lr1e-4__s1"),
+    ("tiny-shapes", "nft", "convergence/rescore32", "nft_full_lr1e-4", "convergence/leg2/nft_full_lr1e-4__s1"),
+    ("tiny-shapes", "dgpo", "convergence/rescore32", "dgpo_full_lr1e-4", "convergence/leg2/dgpo_full_lr1e-4__s1"),
+    ("tiny-shapes", "awm", "convergence/rescore32", "awm_full_lr1e-4", None),
+    ("tiny-shapes", "grpo", "convergence/leg7", "grpo", "convergence/leg7/grpo__s1"),
+    ("tiny-shapes-8", "crd", "convergence/testbed8/seeds32", "crd_full_lr1e-4", None),
+    ("tiny-shapes-8", "dgpo", "convergence/testbed8/seeds32_long", "dgpo_full_lr1e-4", None),
+    (
+        "tiny-shapes-8",
+        "nft",
+        "convergence/testbed8/seeds32_12800",
+        "nft_full_lr1e-4",
+        "convergence/testbed8/leg9b/nft_full_lr1e-4__s3",
+    ),
+    ("tiny-shapes-8", "awm", "convergence/testbed8/leg10b", "awm_full_lr1e-4", None),
+    ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
+    ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
+    ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
+    ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
+    ("tiny-text (OCR)", "awm", "convergence/ocr/leg6", "awm", None),
+    ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
+]
+HEADER = [
+    "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img "
+    "| export |",
+    "|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def held_out(folder: str, name: str) -> list:
+    """The rows of folder/name on the held-out prompts."""
+    return [r for r in read_jsonl(RESULTS / folder / name) if r["set"] == "test"]
+
+
+def gain(rows: list, tag: str) -> str:
+    """The seeds' mean per-prompt exact gain over the base at `tag`, ± one SE over prompts; bold beyond two SE."""
+    per_prompt = np.mean([r[f"exact_gain_{tag}_per_prompt"] for r in rows], axis=0)
+    cell = mean_se(per_prompt)
+    beyond = abs(per_prompt.mean()) > 2 * per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))  # unrounded, as mean_se's
+    return f"**{cell}**" if beyond else cell
+
+
+def extra(rows: list) -> str:
+    return f"{np.mean([r['extra'] for r in rows]):.2f}" if all("extra" in r for r in rows) else "-"
+
+
+def table() -> list:
+    out, based = list(HEADER), set()
+    for testbed, algo, folder, setting, export in ROWS:
+        if testbed not in based:  # the base on the same noises, once per testbed
+            based.add(testbed)
+            for cfg in (1.0, 4.5):
+                (b,) = [r for r in held_out(folder, "base.jsonl") if r["guidance_scale"] == cfg]
+                label = f"base, CFG {cfg:g} ({TESTBEDS[testbed]})"
+                out.append(f"| {testbed} | {label} | 0 | - | {b['exact']:.3f} | | | {extra([b])} | - |")
+        rows = [r for r in held_out(folder, "final.jsonl") if r["setting"] == setting]
+        if not rows:
+            raise SystemExit(f"results_table.py: no held-out row of {setting} in {folder}/final.jsonl")
+        images = "/".join(sorted({f"{r['images']:,}" for r in rows}))
+        link = f"[{Path(export).name}](benchmark/results/{export})" if export else "-"
+        exact = np.mean([r["exact"] for r in rows])
+        out.append(
+            f"| {testbed} | [{algo}](docs/{algo}.md) | {images} | {len(rows)} | {exact:.3f} | {gain(rows, 'cfg1')} | "
+            f"{gain(rows, 'cfg4.5')} | {extra(rows)} | {link} |"
+        )
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        print(__doc__)
+    elif sys.argv[1:]:
+        print(
+            f"results_table.py: takes no arguments (got {' '.join(sys.argv[1:])}); --help says what it prints", file=sys.stderr
+        )
+        sys.exit(2)
+    else:
+        print("\n".join(table()))
