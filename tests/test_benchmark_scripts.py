@@ -573,3 +573,35 @@ def test_the_studies_index_lists_every_study():
     index = (REPO / "benchmark" / "studies" / "README.md").read_text()
     for study in (REPO / "benchmark" / "studies").glob("*.py"):
         assert f"]({study.name})" in index, f"{study.name} is not in benchmark/studies/README.md"
+
+
+def test_every_committed_export_has_its_weights_or_a_readme_that_restores_and_remakes_them():
+    """The checkout keeps the exports the README's results table cites (at most one per algorithm and testbed); every
+    other export folder keeps its args.json, model card and samples, and a README.md that restores the weights from the
+    history and retrains the run with its own setting and seed."""
+    import json
+
+    from benchmark.results_table import RESULTS, ROWS
+
+    cited = {export for *_, export in ROWS if export}
+    kept, removed = set(), set()
+    for args_file in sorted(RESULTS.rglob("args.json")):
+        folder = args_file.parent
+        for kind in ("transformer", "lora"):
+            if not (folder / kind).is_dir():
+                continue
+            rel = folder.relative_to(RESULTS).as_posix()
+            assert (folder / kind / "README.md").is_file() and (folder / kind / "samples.png").is_file(), rel
+            if list((folder / kind).glob("*.safetensors")):
+                kept.add(rel)
+                continue
+            removed.add(rel)
+            args = json.loads(args_file.read_text())
+            note = (folder / "README.md").read_text()
+            path = folder.relative_to(REPO).as_posix()
+            assert f"git checkout 3ab1242 -- {path}/{kind}\n" in note, rel
+            assert f"python benchmark/convergence.py train {args['exp_name']} --seeds {args['seed']} " in note, rel
+    assert kept == cited, f"exports in the tree that the table does not cite, or cited and missing: {kept ^ cited}"
+    per_testbed = [(testbed, algo) for testbed, algo, *_, export in ROWS if export]
+    assert len(per_testbed) == len(set(per_testbed)), "more than one export of an algorithm on a testbed"
+    assert len(removed) >= 16  # the exports removed to keep the checkout small, each still restorable
