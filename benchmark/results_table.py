@@ -1,6 +1,7 @@
 """The README's results table, from the committed scores of the 960-image held-out protocol.
 
-    python benchmark/results_table.py
+    python benchmark/results_table.py            # the table
+    python benchmark/results_table.py --exports  # the exports it cites that are in the tree (benchmark/results/README.md)
 
 One protocol for every row: each export (what a user loads: runs/<run>/transformer or lora) sampled in a fresh stock
 pipeline, ODE 10 steps at CFG 1, on the 30 held-out prompts x 32 noises (960 images) of tiny-shapes and tiny-shapes-8,
@@ -11,6 +12,7 @@ read here). A gain is the mean over prompts of the seeds' mean per-prompt gain, 
 Prints markdown; reads only the jsonl files named in ROWS.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -50,9 +52,8 @@ ROWS = [
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
 ]
 HEADER = [
-    "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img "
-    "| export |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img |",
+    "|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -81,27 +82,35 @@ def table() -> list:
             for cfg in (1.0, 4.5):
                 (b,) = [r for r in held_out(folder, "base.jsonl") if r["guidance_scale"] == cfg]
                 label = f"base, CFG {cfg:g} ({TESTBEDS[testbed]})"
-                out.append(f"| {testbed} | {label} | 0 | - | {b['exact']:.3f} | | | {extra([b])} | - |")
+                out.append(f"| {testbed} | {label} | 0 | - | {b['exact']:.3f} | | | {extra([b])} |")
         rows = [r for r in held_out(folder, "final.jsonl") if r["setting"] == setting]
         if not rows:
             raise SystemExit(f"results_table.py: no held-out row of {setting} in {folder}/final.jsonl")
         images = "/".join(sorted({f"{r['images']:,}" for r in rows}))
-        link = f"[{Path(export).name}](benchmark/results/{export})" if export else "-"
         exact = np.mean([r["exact"] for r in rows])
         out.append(
             f"| {testbed} | [{algo}](docs/{algo}.md) | {images} | {len(rows)} | {exact:.3f} | {gain(rows, 'cfg1')} | "
-            f"{gain(rows, 'cfg4.5')} | {extra(rows)} | {link} |"
+            f"{gain(rows, 'cfg4.5')} | {extra(rows)} |"
         )
+    return out
+
+
+def exports() -> list:
+    """The committed export of each row that has one (links relative to benchmark/results/, where this table lives)."""
+    out = ["| testbed | algorithm | images trained | seed | folder |", "|---|---|---|---|---|"]
+    for testbed, algo, folder, setting, export in ROWS:
+        if export:
+            seed = json.loads((RESULTS / export / "args.json").read_text())["seed"]
+            (row,) = [r for r in held_out(folder, "final.jsonl") if r["setting"] == setting and r["seed"] == seed]
+            out.append(f"| {testbed} | {algo} | {row['images']:,} | {seed} | [{export}]({export}) |")
     return out
 
 
 if __name__ == "__main__":
     if sys.argv[1:] in (["--help"], ["-h"]):
         print(__doc__)
-    elif sys.argv[1:]:
-        print(
-            f"results_table.py: takes no arguments (got {' '.join(sys.argv[1:])}); --help says what it prints", file=sys.stderr
-        )
+    elif sys.argv[1:] not in ([], ["--exports"]):
+        print(f"results_table.py: unknown arguments {' '.join(sys.argv[1:])}; --help says what it prints", file=sys.stderr)
         sys.exit(2)
     else:
-        print("\n".join(table()))
+        print("\n".join(exports() if sys.argv[1:] else table()))

@@ -6,14 +6,20 @@ backticked or linked repository path must exist."""
 import dataclasses
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [
     REPO / "README.md",
     *sorted((REPO / "docs").glob("*.md")),
+    REPO / "benchmark" / "README.md",
+    REPO / "benchmark" / "studies" / "README.md",
+    REPO / "benchmark" / "results" / "README.md",
     REPO / "benchmark" / "results" / "convergence" / "README.md",
 ]
 ALGOS = ("grpo", "nft", "awm", "crd", "dgpo")
@@ -30,6 +36,8 @@ EXTERNAL = {
     "--rdzv-endpoint",
     "--rdzv-id",
     "--logdir",
+    "--depth",  # git clone
+    "--exports",  # benchmark/results_table.py's one flag, read from sys.argv
 }
 
 
@@ -82,3 +90,41 @@ def test_every_file_the_docs_name_exists(doc):
         if not here.exists():
             missing.append(ref)
     assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def results_table(*flags) -> str:
+    out = subprocess.run([sys.executable, "benchmark/results_table.py", *flags], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_readme_results_table_is_the_scripts_output():
+    """The README's one results table is `python benchmark/results_table.py`, as printed (so its numbers are the
+    committed scores'), and the results README lists the exports it cites."""
+    readme = (REPO / "README.md").read_text()
+    table = results_table()
+    start = readme.index("| testbed | algorithm | images trained |")
+    assert readme[start:].split("\n\n", 1)[0].strip() == table, "README's table differs: run benchmark/results_table.py"
+    assert results_table("--exports") in (REPO / "benchmark" / "results" / "README.md").read_text()
+
+
+def test_readme_is_a_short_guide():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
+    assert not [n for n, line in enumerate(lines, 1) if re.search("leg", line, re.I)], "README.md names a leg"
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run_on_the_quick_start_output(tmp_path, monkeypatch):
+    """Every ```python block of the README, run as written on what the quick start writes (`python algos/crd.py`,
+    its defaults, two epochs instead of 60): `runs/<run_name>` is that run's folder, the tiny model its path here."""
+    run_script(["algos/crd.py", "--num-epochs", "2", "--output-dir", tmp_path / "runs"], timeout=900)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert blocks and any("runs/<run_name>/transformer" in b for b in blocks)
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        before = set(tmp_path.iterdir())
+        exec(block.replace("runs/<run_name>", str(run_dir)).replace('"assets/', f'"{REPO}/assets/'), {})
+        assert set(tmp_path.iterdir()) - before, "a README block ran and wrote nothing"

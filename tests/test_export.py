@@ -1,5 +1,5 @@
 """The trained model leaves the project: the exported LoRA folder loaded by stock diffusers pipelines (as a user would),
-the model card, the README's snippet, --push-to-hub up to the upload call, and --track mirrored to an offline wandb run."""
+the model card and its snippet, --push-to-hub up to the upload call, and --track mirrored to an offline wandb run."""
 
 import importlib.util
 import json
@@ -162,16 +162,6 @@ def test_model_card_snippet_runs(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(snippet.replace("<this folder>", str(trained.lora)), {})
     assert (tmp_path / "sample.png").is_file()
-
-
-def test_readme_use_your_trained_model_snippet_runs(trained, tmp_path, monkeypatch):
-    """The README's snippet, run as written on this run's export (so the docs cannot go stale)."""
-    section = (REPO / "README.md").read_text().split("## Use your trained model", 1)[1].split("\n## ", 1)[0]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert "runs/<run_name>/lora" in snippet and "assets/tiny-shapes" in snippet
-    monkeypatch.chdir(tmp_path)
-    exec(snippet.replace("runs/<run_name>/lora", str(trained.lora)).replace("assets/tiny-shapes", common.TINY_MODEL), {})
-    assert list(tmp_path.glob("*.png"))
 
 
 def test_push_to_hub_uploads_the_exported_folder(trained):
