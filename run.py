@@ -10,12 +10,14 @@ import math
 import os
 import pickle
 import random
+import re
 import shlex
 import shutil
 import sys
 import time
 import types
 import typing
+import urllib.parse
 import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -163,7 +165,8 @@ SAFE_OVERRIDES = (
 
 
 # where the run sends data or the model: only ever from this command line. A checkpoint is a file anyone can hand you,
-# and one that set --push-to-hub would publish the trained weights to any repo your token can write.
+# and one that set --push-to-hub would publish the trained weights to any repo your token can write. The reward
+# servers of --reward and --eval-rewards (which receive every image and prompt) likewise: `restore_servers`.
 REMOTE_TARGETS = ("track", "wandb_project_name", "wandb_entity", "push_to_hub")
 
 
@@ -526,7 +529,8 @@ def restore_args(args, saved: dict) -> dict:
     for name, value in saved.items():
         if name not in NOT_RESTORED and not _fits(value, hints[name]):
             raise UserError(f"the checkpoint's {name} is {repr(value)[:40]}; {_flag(name)} takes {_type_name(hints[name])}")
-    given, overrides = given_flags(args), {}
+    given = given_flags(args)
+    overrides = restore_servers(args, saved, given)
     for name in sorted(given - set(NOT_RESTORED)):
         if name in saved and _plain_json(getattr(args, name)) != _plain_json(saved[name]):
             if name not in SAFE_OVERRIDES:
@@ -541,6 +545,63 @@ def restore_args(args, saved: dict) -> dict:
             value = saved[f.name]
             setattr(args, f.name, tuple(value) if isinstance(value, list) else value)
     return overrides
+
+
+def restore_servers(args, saved: dict, given: set) -> dict:
+    """The reward servers of a resumed run come from this command line only: a checkpoint naming a server would send
+    it every image and prompt of the run. A served `--reward` is asked for again, and may name a server that moved if
+    it gives the same rewards with the same weights in the same order, each URL serving the reward the run was trained
+    on (`check_same_rewards`); a served `--eval-rewards` entry not given again is dropped with a note. Updates `saved`
+    (the checkpoint's Args) to what the run goes on with; returns {field: (saved, now)} of a moved server."""
+    from rewards import remote
+
+    spec, overrides = saved.get("reward"), {}
+    if isinstance(spec, str) and any(remote.is_url(part.strip()) for part in spec.split(",")):
+        if "reward" not in given:
+            raise UserError(
+                f"the run's --reward is {spec}; a checkpoint never sets where images go: pass --reward again "
+                "(the same rewards and weights; a server may have moved)"
+            )
+        if args.reward != spec:
+            check_same_rewards(spec, args.reward)
+            overrides["reward"] = (spec, args.reward)
+            saved["reward"] = args.reward
+    served = [name for name in saved.get("eval_rewards") or () if isinstance(name, str) and remote.is_url(name)]
+    if served and "eval_rewards" not in given:
+        saved["eval_rewards"] = [name for name in saved["eval_rewards"] if name not in served]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"note: the run had --eval-rewards {' '.join(served)}; a checkpoint never sets where images go: pass it again",
+                file=sys.stderr,
+            )
+    return overrides
+
+
+def check_same_rewards(saved: str, now: str):
+    """A resume's `--reward` `now` in place of the run's served `saved`: the same rewards, weights and order, a local
+    reward where the run had one, and a server where it had one, serving the same reward (asked now, before the model
+    loads). The server a URL without a name stood for is not known: any server serving one reward takes its place."""
+    from rewards import parse_reward_spec, remote
+
+    try:
+        old = list(parse_reward_spec(saved).items())
+    except UserError as e:
+        raise UserError(f"the checkpoint's --reward {saved}: {e}") from None
+    new = list(parse_reward_spec(now).items())
+    same = len(old) == len(new) and all(
+        w == v and remote.is_url(a) == remote.is_url(b) and (remote.is_url(a) or a == b) for (a, w), (b, v) in zip(old, new)
+    )
+    if not same:
+        raise UserError(
+            f"--reward {now}: the run was trained on {saved}; a resumed run keeps its rewards and weights, in their "
+            "order (only a server's URL may change)"
+        )
+    for (a, _), (b, _) in zip(old, new):
+        trained = urllib.parse.urlsplit(a).path.strip("/") if remote.is_url(a) else ""
+        if trained:  # the name in the URL; a URL without one stood for the one reward its server served, unknown now
+            serves = remote.remote(b).reward_name
+            if serves != trained:
+                raise UserError(f"--reward {now}: {b} serves {serves!r}, the run was trained on {trained!r} ({a})")
 
 
 def start_run(args, script_file: str) -> tuple:
@@ -561,6 +622,7 @@ def start_run(args, script_file: str) -> tuple:
         _RUN["run_dir"] = Path(args.output_dir) / args.run_name
         return _RUN["run_dir"], None
     run_dir, ckpt_dir = find_checkpoint(args.resume)
+    check_no_symlinks(run_dir)
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt.get("algo") != algo:
         raise UserError(
@@ -595,6 +657,36 @@ def start_run(args, script_file: str) -> tuple:
         "argv": _CLI["argv"],
     }
     return run_dir, ckpt
+
+
+def check_no_symlinks(run_dir: Path):
+    """A resumed run writes only inside its folder: refuse a run folder that is a symlink, or has one in it or below it
+    (samples/, checkpoints/, an epoch folder, the export, an events file, resumes.jsonl, .lock, ...). A resume appends,
+    saves and removes old checkpoints through whatever a link points at, outside the folder too. Allowed: the links the
+    run makes itself, checkpoints/last (and the .tmp-last.<pid> a kill can leave) naming an epoch folder beside it."""
+    run_dir = Path(run_dir)
+    if run_dir.is_symlink():
+        raise UserError(f"run folder {run_dir} is a symbolic link (to {os.readlink(run_dir)}); resume the folder itself")
+    for folder, dirs, files in os.walk(run_dir):  # walks into no linked folder
+        for name in sorted((*dirs, *files)):
+            path = Path(folder) / name
+            if path.is_symlink() and not _own_link(run_dir, path):
+                raise UserError(
+                    f"run folder {run_dir}: {path.relative_to(run_dir)} is a symbolic link (to {os.readlink(path)}); a "
+                    "resumed run writes only inside its own folder: put the file or folder itself there"
+                )
+
+
+def _own_link(run_dir: Path, link: Path) -> bool:
+    """Whether `link` is one `save_checkpoint` makes: checkpoints/last or .tmp-last.<pid>, naming an epoch folder there."""
+    target = os.readlink(link)
+    return (
+        link.parent == run_dir / "checkpoints"
+        and (link.name == "last" or link.name.startswith(".tmp-last."))
+        and re.fullmatch(r"epoch_\d+", target) is not None
+        and (link.parent / target).is_dir()
+        and not (link.parent / target).is_symlink()
+    )
 
 
 def lock_run(run_dir: Path):
