@@ -678,14 +678,16 @@ def check_no_symlinks(run_dir: Path):
 
 
 def _own_link(run_dir: Path, link: Path) -> bool:
-    """Whether `link` is one `save_checkpoint` makes: checkpoints/last or .tmp-last.<pid>, naming an epoch folder there."""
+    """Whether `link` is one `save_checkpoint` makes: checkpoints/last or .tmp-last.<pid>, naming an epoch folder there
+    (or one removed since: `find_checkpoint` then takes the newest)."""
     target = os.readlink(link)
+    beside = link.parent / target
     return (
         link.parent == run_dir / "checkpoints"
         and (link.name == "last" or link.name.startswith(".tmp-last."))
         and re.fullmatch(r"epoch_\d+", target) is not None
-        and (link.parent / target).is_dir()
-        and not (link.parent / target).is_symlink()
+        and not beside.is_symlink()
+        and (beside.is_dir() or not beside.exists())
     )
 
 

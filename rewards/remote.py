@@ -14,7 +14,8 @@ server they give the local numbers bit for bit; a reward that reads float pixels
 Faults are one line (`UserError`): a server that is down or does not answer within TIMEOUT seconds is tried ATTEMPTS
 times (BACKOFF seconds apart, doubling), then the run stops; an answer that is not the scores asked for (HTML, wrong
 length, NaN, an error status) stops it at once. The scripts score a whole epoch before anything of it is applied, so
-the run stops at the last checkpoint and `--resume` reconnects to the URL of the run's `--reward`. That URL is saved
+the run stops at the last checkpoint, and `--resume` goes on with `--reward` given again (a checkpoint never sets a
+server; a moved one serving the same rewards is accepted: run.restore_servers). The URL is saved
 in args.json and every checkpoint, so it may not hold credentials (user:password@).
 """
 

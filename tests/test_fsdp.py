@@ -184,7 +184,7 @@ def test_damaged_shards_stop_a_resume_with_one_line(damage, runs, tmp_path):
     out = run_script(["algos/grpo.py", "--resume", run_dir, "--num-epochs", 3], check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: checkpoint") and "cannot be read" in last and "nothing was changed" in last, last
+    assert last.startswith("error: checkpoint") and "cannot be read" in last, last
     after = sorted((p.relative_to(run_dir), p.read_bytes() if p.is_file() else None) for p in run_dir.rglob("*"))
     assert after == before
 

@@ -1,7 +1,8 @@
 """The reward server (rewards/server.py) and its client (rewards/remote.py) against real server processes on 127.0.0.1:
 served scores equal the local reward's, a training run through a server equals the local run bit for bit in every
 script, several servers combine by weighted sum and GDPO, faults (down, slow, HTML, wrong length, NaN) stop with one
-line, and a server killed mid-run stops the run cleanly, which then resumes exactly once the server is back."""
+line, and a server killed mid-run stops the run cleanly, which then resumes exactly once the server is back (at the
+URL given again: a checkpoint never sets one)."""
 
 import json
 import math
@@ -265,7 +266,7 @@ def test_run_through_server_equals_local(algo, servers, tmp_path):
     logged = scalars(local)
     assert logged["charts/jpeg_compressibility"] and logged["eval/jpeg_compressibility"]
     assert scalars(served) == logged
-    assert b["args"]["reward"] == f"{servers()}/jpeg_compressibility"  # what a resume reconnects to
+    assert b["args"]["reward"] == f"{servers()}/jpeg_compressibility"  # what a resume must be given again
 
 
 @pytest.mark.parametrize("aggregation", ["sum", "gdpo"])
@@ -305,8 +306,8 @@ def test_server_down_stops_the_run_with_one_line(misbehaving, tmp_path):
 
 def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
     """The server is killed once the run has saved epoch 1: the run stops with one line at its next reward call (after
-    its bounded retries) and keeps its last checkpoint; the server restarted on the same port, `--resume` reconnects
-    (the URL comes from the checkpoint's args) and ends bit-identical to an uninterrupted local run."""
+    its bounded retries) and keeps its last checkpoint; the server restarted on another port, `--resume` with
+    `--reward <its new URL>` (a checkpoint never sets a server) ends bit-identical to an uninterrupted local run."""
     prompts = write_prompts(tmp_path)
     epochs = 4
     run_script(script_argv("grpo", prompts, tmp_path / "local", "--reward", "jpeg_compressibility", "--num-epochs", epochs))
@@ -330,8 +331,9 @@ def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
         stopped_at = run.load_checkpoint(run_dir)["epoch"]
         assert 1 <= stopped_at < epochs
 
+        port = free_port()
         server = start_server("jpeg_compressibility", port)
-        run_script(["algos/grpo.py", "--resume", run_dir])
+        run_script(["algos/grpo.py", "--resume", run_dir, "--reward", f"http://127.0.0.1:{port}/jpeg_compressibility"])
     finally:
         kill_group(server)
         server.communicate()

@@ -227,8 +227,9 @@ def test_a_symlinked_run_folder_is_refused(run_copy, tmp_path, capsys, no_model_
 
 def test_the_run_folders_own_links_resume(run_copy, capsys):
     """`checkpoints/last` and the .tmp-last.<pid> a kill between its two renames leaves, each naming an epoch folder
-    beside it, are the run's own: a resume through `last` goes on, and removes the leftover."""
+    beside it (or one removed since), are the run's own: a resume through `last` goes on, and removes the leftovers."""
     (run_copy / "checkpoints" / ".tmp-last.4242").symlink_to("epoch_000001")
+    (run_copy / "checkpoints" / ".tmp-last.4343").symlink_to("epoch_000009")
     resumes(resume(run_copy / "checkpoints" / "last"), capsys)
     assert run.load_checkpoint(run_copy)["epoch"] == 2
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["epoch_000001", "epoch_000002", "last"]
