@@ -2,6 +2,8 @@
 world size 1. An epoch's samples are laid out so that N ranks compute what one process computes (`batch_layout`,
 `rank_indices`)."""
 
+import itertools
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -92,6 +94,77 @@ def all_reduce_grads(params: Sequence[torch.Tensor]):
     for p in params:
         if p.grad is not None and not is_sharded(p):
             p.grad.copy_(all_reduce_mean(p.grad))
+
+
+# columns summed together: one sum over fewer than torch's GRAIN_SIZE (32768) elements runs on one thread, so a row's
+# partial sums depend on its values alone (not on the thread count, nor on the rows beside it on this rank)
+ROW_BLOCK = 16384
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (L2), with a global norm that does not depend on how the gradients are sharded.
+
+    torch sums the squares per tensor and then over the tensors; FSDP sums them per shard and then over the ranks, so
+    2 ranks and one process round differently (1 float32 ulp of the norm), and an active clip then scales every
+    gradient differently. Here each gradient is cut into rows along dim 0 (the dim FSDP shards), each row's sum of
+    squares is taken in float64 from that row alone (in blocks of ROW_BLOCK columns), a sharded gradient's rows are
+    all-reduced into their places (each entry has one non-zero term, so the sum is exact), and all rows are added by
+    `math.fsum`, which rounds correctly in any order. One process, N ranks with replicated gradients (after
+    `all_reduce_grads`) and N ranks holding FSDP shards (DTensors sharded on dim 0) thus get the same norm bit for bit.
+    The scaling is torch's: coefficient max_norm / (norm + 1e-6) in float32, clamped to 1. Returns the norm before
+    clipping (float64, on the CPU); a NaN or inf gradient makes it NaN or inf, as in torch."""
+    grads = [p.grad for p in params if p.grad is not None]
+    whole, sharded, mesh = [], [], None  # [rows, blocks] float64 partial sums; a shard's with where its rows sit
+    for g in grads:
+        shard = _shard_rows(g) if is_sharded(g) else None
+        if shard is None:
+            whole.append(_row_sums(g.to_local() if is_sharded(g) else g))
+        else:
+            sharded.append((_row_sums(g.to_local()), *shard))
+            mesh = g.device_mesh
+    parts = [s.flatten().tolist() for s in whole]
+    if sharded:
+        # every rank's rows in one buffer, zero where another rank holds the row: the all-reduce adds exact zeros
+        sizes = [rows * s.shape[1] for s, _, rows in sharded]
+        buffer = torch.zeros(sum(sizes), dtype=torch.float64, device=sharded[0][0].device)
+        for (s, start, rows), place in zip(sharded, buffer.split(sizes)):
+            place.view(rows, s.shape[1])[start : start + len(s)] = s
+        dist.all_reduce(buffer, group=mesh.get_group())
+        parts.append(buffer.tolist())
+    norm = torch.tensor(math.sqrt(math.fsum(itertools.chain.from_iterable(parts))), dtype=torch.float64)
+    coef = (max_norm / (norm.float() + 1e-6)).clamp(max=1.0)  # torch's expression on its float32 norm
+    for g in grads:
+        part = g.to_local() if is_sharded(g) else g
+        part.mul_(coef.to(part.device, part.dtype))
+    return norm
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """The float64 sums of squares of each dim-0 row of `x` (a 1-D tensor's rows are its elements), per block of
+    ROW_BLOCK columns: [rows, blocks]. A row longer than a block is zero-padded to whole blocks (adding 0 is exact)."""
+    rows = x.detach().reshape(x.shape[0] if x.dim() else 1, math.prod(x.shape[1:])).double()
+    blocks = max(1, -(-rows.shape[1] // ROW_BLOCK))
+    if blocks > 1:
+        rows = torch.nn.functional.pad(rows, (0, blocks * ROW_BLOCK - rows.shape[1]))
+    return rows.square().reshape(len(rows), blocks, rows.shape[1] // blocks).sum(-1)
+
+
+def _shard_rows(g: torch.Tensor) -> Optional[tuple]:
+    """Where a DTensor gradient's local rows sit: (global index of the first, global row count), or None when every
+    rank holds every row (replicated). FSDP2 shards dim 0 over a 1-D mesh as torch.chunk splits it: ceil(rows / N)
+    rows per rank, the last ranks fewer or none."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if all(p == Replicate() for p in g.placements):
+        return None
+    if g.device_mesh.ndim != 1 or g.placements != (Shard(0),):
+        raise ValueError(f"clip_grad_norm: gradients placed as {g.placements} on a {g.device_mesh.ndim}-D mesh")
+    rows, held = g.shape[0], g.to_local().shape[0]
+    per = -(-rows // g.device_mesh.size())
+    start = min(g.device_mesh.get_local_rank() * per, rows)
+    if held != min(per, rows - start):
+        raise ValueError(f"clip_grad_norm: a shard of {held} rows where torch.chunk puts {min(per, rows - start)}")
+    return start, rows
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -544,7 +544,7 @@ def main(args: Args):
                 k += 1
                 if k % per_step == 0:
                     distributed.all_reduce_grads(params)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    grad_norm = distributed.clip_grad_norm(params, args.max_grad_norm)
                     if run.gradient_is_finite(grad_norm, lambda: save(epoch)):
                         optimizer.step()
                         step += 1

@@ -138,6 +138,29 @@ def ode_sample(pipe, prompts, noise, steps, guidance_scale):
 HANG_S = 1800
 
 
+# The CPU kernels torch can be made to run (ATEN_CPU_CAPABILITY): "native" is its own pick for this CPU (AVX512 where
+# the CPU has it), "avx2" and "default" (no vector extension) what it picks on others. Rounding can differ
+# between them (another vector width sums in another order), so an equality meant to hold on every CPU is tested under
+# each, on any one machine: a test takes the `kernel_env` fixture, parametrized with KERNELS (or a subset), and passes
+# the environment it returns to the processes it starts. torch reads the variable once per process, so this pytest
+# process itself keeps its kernels.
+KERNELS = ("native", "avx2", "default")
+
+
+def kernel_environ(kernel: str) -> dict:
+    """os.environ for a process that runs torch's `kernel` kernels (see KERNELS)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}, expected one of {KERNELS}")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    return env if kernel == "native" else {**env, "ATEN_CPU_CAPABILITY": kernel}
+
+
+@pytest.fixture(params=KERNELS)
+def kernel_env(request) -> dict:
+    """The environment of a subprocess that runs `request.param`'s kernels (see KERNELS)."""
+    return kernel_environ(request.param)
+
+
 def run_script(argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, env=None, python: bool = True):
     """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group.
 

@@ -2,19 +2,22 @@
 
 Tolerance: none, every tensor is compared bit for bit. Each optimizer step takes one backward per rank (the FLAGS of
 test_algos: one trained timestep, one micro-batch per rank), so FSDP's reduce-scatter averages (g1 + g2) / 2 where
-one process accumulates g1 / 2 + g2 / 2: halving is exact in floating point, and the sums agree. With more backward
-passes per rank the two orders of summation differ in rounding (test_algos measured 4e-6 to 7e-6 relative), and so
-does an active gradient-norm clip (test_clipped_gradient_uses_the_global_norm).
+one process accumulates g1 / 2 + g2 / 2: halving is exact in floating point, and the sums agree. The gradient-norm
+clip agrees by construction (`distributed.clip_grad_norm`, tested below with the clip active). With more backward
+passes per rank the two orders of summation differ in rounding (test_algos measured 4e-6 to 7e-6 relative).
+Rounding depends on the CPU's kernels, so the bitwise tests also run under forced avx2 and default kernels
+(conftest's KERNELS).
 """
 
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import REPO, kernel_environ, run_script
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_algos import assert_same_state, script_argv, write_prompts
@@ -37,17 +40,18 @@ def only(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, prompts):
-    """algo -> 2 epochs in one process without --fsdp (`one`) and on 2 ranks with it (`two`, its stdout), once per
-    module; tests only read them."""
+    """(algo, kernel) -> 2 epochs in one process without --fsdp (`one`) and on 2 ranks with it (`two`, its stdout),
+    both under the kernel (conftest's KERNELS), once per module; tests only read them."""
     cache = {}
 
-    def get(algo):
-        if algo not in cache:
+    def get(algo, kernel="native"):
+        if (algo, kernel) not in cache:
             one, two = tmp_path_factory.mktemp(f"one-{algo}"), tmp_path_factory.mktemp(f"two-{algo}")
-            run_script(script_argv(algo, prompts, one, "--num-epochs", 2))
-            out = run_script([*TORCHRUN, *script_argv(algo, prompts, two, "--num-epochs", 2, "--fsdp")])
-            cache[algo] = SimpleNamespace(one=only(one), two=only(two), stdout=out.stdout)
-        return cache[algo]
+            env = kernel_environ(kernel)
+            run_script(script_argv(algo, prompts, one, "--num-epochs", 2), env=env)
+            out = run_script([*TORCHRUN, *script_argv(algo, prompts, two, "--num-epochs", 2, "--fsdp")], env=env)
+            cache[algo, kernel] = SimpleNamespace(one=only(one), two=only(two), stdout=out.stdout)
+        return cache[algo, kernel]
 
     return get
 
@@ -70,11 +74,20 @@ def transformer_bytes() -> float:
     return sum(p.numel() * p.element_size() for p in transformer.parameters()) / 2**20
 
 
-@pytest.mark.parametrize("algo", ["grpo", "nft", *(pytest.param(a, marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo"))])
-def test_two_sharded_ranks_match_one_process(algo, runs):
+@pytest.mark.parametrize(
+    "algo, kernel",
+    [
+        ("grpo", "native"),
+        ("nft", "native"),
+        *(pytest.param(a, "native", marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo")),
+        # crd: the algorithm whose default clip (1.0) is active here, so the norm's rounding reaches the weights
+        *(pytest.param("crd", k, marks=pytest.mark.slow) for k in ("avx2", "default")),
+    ],
+)
+def test_two_sharded_ranks_match_one_process(algo, kernel, runs):
     """After 2 epochs: weights, optimizer moments, snapshots and eval EMA equal bit for bit (the sharded checkpoint
     read whole), one shard file per rank, the same LoRA export, and each rank holding half of the transformer."""
-    r = runs(algo)
+    r = runs(algo, kernel)
     a, b = load_checkpoint(r.one), load_checkpoint(r.two, full=True)
     assert b["shards"]["ranks"] == 2 and "params" not in load_checkpoint(r.two)  # the tensors live in shards/ only
     assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did move
@@ -125,19 +138,18 @@ def test_sharded_resume_is_exact_on_two_ranks_and_on_one(runs, tmp_path):
         assert all(torch.equal(tensors[k], v) for k, v in lora_export(r.two)[0].items())
 
 
-def test_clipped_gradient_uses_the_global_norm(prompts, tmp_path):
-    """--max-grad-norm small enough to clip every step: the norm FSDP's clip computes is the norm over all shards
-    (a rank's own shards alone would give about 1/sqrt(2) of it and clip every weight ~40% differently). Not bit for
-    bit: the squared norm is summed per shard, then over the ranks, in another order than one process sums it, which
-    moved the norm by 1 float32 ulp (3e-8 at 0.34); Adam then turns ulp-level differences of gradients near 0 into
-    weight differences of 6e-6 after two steps (lr 3e-3). Tolerances: the first step's norm to 1e-6 relative, the
-    second's to 1e-4 (it sees the first step's differences: 5e-6 measured), the weights to lr / 100, a hundredth of
-    the ~lr one Adam step moves a weight."""
+@pytest.mark.parametrize("kernel", ["native", *(pytest.param(k, marks=pytest.mark.slow) for k in ("avx2", "default"))])
+def test_clipped_steps_on_two_sharded_ranks_equal_one_process(kernel, prompts, tmp_path):
+    """--max-grad-norm small enough to clip every step: 2 sharded ranks log the same norms as one process and end
+    with the same weights, bit for bit. The norm is the global one (a rank's own shards alone would give about
+    1/sqrt(2) of it and clip every weight ~40% differently). torch's clip_grad_norm_ sums the squares per shard and
+    then over the ranks, in another order than one process, which moved the norm by 1 float32 ulp and every clipped
+    gradient with it (what failed here before `distributed.clip_grad_norm`)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    flags = ["--num-epochs", 2, "--max-grad-norm", 0.01, "--eval-every", 10]
-    run_script(script_argv("nft", prompts, tmp_path / "one", *flags))
-    run_script([*TORCHRUN, *script_argv("nft", prompts, tmp_path / "two", *flags, "--fsdp")])
+    flags, env = ["--num-epochs", 2, "--max-grad-norm", 0.01, "--eval-every", 10], kernel_environ(kernel)
+    run_script(script_argv("nft", prompts, tmp_path / "one", *flags), env=env)
+    run_script([*TORCHRUN, *script_argv("nft", prompts, tmp_path / "two", *flags, "--fsdp")], env=env)
     a, b = load_checkpoint(only(tmp_path / "one")), load_checkpoint(only(tmp_path / "two"), full=True)
     norms = []
     for run_dir in (only(tmp_path / "one"), only(tmp_path / "two")):
@@ -145,10 +157,100 @@ def test_clipped_gradient_uses_the_global_norm(prompts, tmp_path):
         acc.Reload()
         norms.append([e.value for e in acc.Scalars("losses/grad_norm")])
     assert len(norms[0]) == 2 and min(norms[0]) > 0.01  # both steps clipped
-    assert norms[1][0] == pytest.approx(norms[0][0], rel=1e-6)  # the same weights: only the order of summation differs
-    assert norms[1][1] == pytest.approx(norms[0][1], rel=1e-4)  # after one step's differences (measured 5e-6)
-    lr = a["args"]["learning_rate"]
-    assert max((v - b["params"][n]).abs().max().item() for n, v in a["params"].items()) < lr / 100
+    assert norms[1] == norms[0]
+    assert_same_state(a, b, "nft")
+
+
+# 2 gloo ranks hold FSDP's shards (DTensors sharded on dim 0) of gradients with uneven rows (5 = 3 + 2; a 1-D bias of
+# 3), a single row (rank 1 holds none) longer than a ROW_BLOCK and than torch's GRAIN_SIZE (a sum torch would split
+# over threads), and magnitudes 1e-3 to 1e2 apart; each rank clips them, and clips the whole gradients as one process
+# does (also with 2 threads). Rank 0 saves what both gave, with the clip active and inactive.
+CLIP_SCRIPT = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+sys.path.insert(0, sys.argv[1])
+import distributed
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+shapes = [(5, 7), (3,), (1, 40_000), (2, 3, 2), (16, 9)]
+grads = [torch.randn(s) * 10.0 ** (i - 3) for i, s in enumerate(shapes)]
+out = {"grads": grads}
+for max_norm in (1.0, 1e9):
+    whole = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in shapes]
+    for p, q, g in zip(whole, sharded, grads):
+        p.grad, q.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
+    norm = distributed.clip_grad_norm(sharded, max_norm)
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, [q.grad.to_local().shape[0] for q in sharded])
+    out[max_norm] = {"sharded": (norm, [q.grad.full_tensor() for q in sharded]), "held": held}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+        for p, c in zip(whole, copies):
+            c.grad = p.grad.clone()
+        out[max_norm][threads] = (distributed.clip_grad_norm(copies, max_norm), [c.grad for c in copies])
+if dist.get_rank() == 0:
+    torch.save(out, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kernel_env", ["native", "avx2", "default"], indirect=True)
+def test_clip_grad_norm_of_fsdp_shards_equals_one_process(kernel_env, tmp_path):
+    """`distributed.clip_grad_norm` on 2 ranks' shards (CLIP_SCRIPT) gives one process's norm and clipped gradients
+    bit for bit, under each kernel; the norm is the float64 norm to 1e-12 and the clip torch's (to float32 rounding:
+    torch sums in float32)."""
+    (tmp_path / "clip.py").write_text(CLIP_SCRIPT)
+    run_script([*TORCHRUN, tmp_path / "clip.py", REPO, tmp_path / "out.pt"], env=kernel_env)
+    out = torch.load(tmp_path / "out.pt")
+    grads = out["grads"]
+    exact = math.sqrt(math.fsum(x**2 for g in grads for x in g.double().flatten().tolist()))
+    for max_norm in (1.0, 1e9):
+        assert out[max_norm]["held"] == [[3, 2, 1, 1, 8], [2, 1, 0, 1, 8]]  # rows held by each rank
+        norm, clipped = out[max_norm]["sharded"]
+        assert norm.dtype == torch.float64 and norm.item() == pytest.approx(exact, rel=1e-12)
+        for threads in (1, 2):
+            one_norm, one_clipped = out[max_norm][threads]
+            assert torch.equal(one_norm, norm) and all(torch.equal(x, y) for x, y in zip(one_clipped, clipped))
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        assert torch.nn.utils.clip_grad_norm_(params, max_norm).item() == pytest.approx(exact, rel=1e-6)
+        for p, c in zip(params, clipped):
+            torch.testing.assert_close(c, p.grad, rtol=1e-6, atol=0)
+    assert exact > 1.0 and not torch.equal(out[1.0]["sharded"][1][2], grads[2])  # the clip at 1.0 was active
+    assert all(torch.equal(c, g) for c, g in zip(out[1e9]["sharded"][1], grads))  # and at 1e9 changed nothing
+
+
+def test_clip_grad_norm_in_one_process_is_torchs_clip():
+    """Plain tensors (one process, or ranks after `all_reduce_grads`): 0-dim and 1-D gradients, a parameter without
+    a gradient, the norm of a NaN or inf gradient (which makes the scripts skip the step), and torch's coefficient
+    max_norm / (norm + 1e-6): with the same float32 norm as torch, the clipped gradients are torch's bit for bit."""
+    import distributed
+
+    def params(*grads):
+        out = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads] + [torch.nn.Parameter(torch.zeros(2))]
+        for p, g in zip(out, grads):
+            p.grad = g.clone()
+        return out
+
+    grads = [torch.tensor(3.0), torch.tensor([4.0, 0.0]), torch.tensor([[12.0]])]
+    ours, theirs = params(*grads), params(*grads)
+    assert distributed.clip_grad_norm(ours, 2.0).item() == 13.0  # sqrt(9 + 16 + 144)
+    assert torch.nn.utils.clip_grad_norm_(theirs, 2.0).item() == 13.0
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours[:3], theirs[:3])) and ours[3].grad is None
+    assert ours[0].grad.item() != 3.0  # clipped
+    assert distributed.clip_grad_norm(params(torch.tensor([1.0, float("inf")])), 1.0).item() == float("inf")
+    assert math.isnan(distributed.clip_grad_norm(params(torch.tensor([1.0, float("nan")])), 1.0).item())
+    assert distributed.clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
 
 
 def test_bf16_base_is_gathered_in_bf16_and_the_lora_stays_fp32(prompts, tmp_path):

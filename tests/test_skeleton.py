@@ -39,7 +39,7 @@ def test_the_shared_plumbing_is_under_banners():
     for piece in (
         "run.restore_state(",
         "run.save_state(",
-        "clip_grad_norm_(params, args.max_grad_norm)",
+        "distributed.clip_grad_norm(params, args.max_grad_norm)",
         "run.gradient_is_finite(",
         "optimizer.step()",
         "logger.scalars(metrics",

@@ -44,7 +44,7 @@ ALGOS = ("grpo", "dgpo", "nft", "awm", "crd")
 
 
 class Recorder:
-    """Stands in for torch.nn.utils.clip_grad_norm_: keeps each step's gradient (summed per epoch, in float64, plus
+    """Stands in for distributed.clip_grad_norm: keeps each step's gradient (summed per epoch, in float64, plus
     each epoch's per-coordinate sum of squares and each step's squared norm), then zeroes it so AdamW moves nothing."""
 
     def __init__(self, steps_per_epoch: int):
@@ -237,7 +237,9 @@ def main():
     steps_per_epoch = args.grad_steps_per_epoch * getattr(args, "num_inner_epochs", 1)
     batch = args.num_prompts * args.group_size / args.grad_steps_per_epoch
     recorder = Recorder(steps_per_epoch)
-    torch.nn.utils.clip_grad_norm_ = recorder
+    import distributed
+
+    distributed.clip_grad_norm = recorder
     try:
         run.run_main(module.main, args, argv)
     except SystemExit as e:
