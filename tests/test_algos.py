@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HANG_S, kill_group, run_in_process, run_script, start_script
+from conftest import HANG_S, kernel_environ, kill_group, run_in_process, run_script, start_script
 
 import common
 from run import load_checkpoint
@@ -58,8 +58,8 @@ def script_argv(algo, prompt_dir, output_dir, *flags):
     ]
 
 
-def run(algo, flags, prompt_dir, output_dir, check=True):
-    return run_script(script_argv(algo, prompt_dir, output_dir, *flags.split()), check=check)
+def run(algo, flags, prompt_dir, output_dir, check=True, kernel="native"):
+    return run_script(script_argv(algo, prompt_dir, output_dir, *flags.split()), check=check, env=kernel_environ(kernel))
 
 
 @pytest.fixture
@@ -75,24 +75,26 @@ def shared_prompts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, shared_prompts):
-    """algo -> its uninterrupted EPOCHS-epoch run (folder and stdout), run once per module on first use. Tests only
-    read it: the smoke test checks its artifacts; the resume, kill/interrupt and 2-rank tests compare their final
-    state with its checkpoints (training does not depend on --num-epochs, which only bounds the loop)."""
+    """(algo, kernel) -> its uninterrupted EPOCHS-epoch run (folder and stdout) under the kernel (conftest's KERNELS),
+    run once per module on first use. Tests only read it: the smoke test checks its artifacts; the resume,
+    kill/interrupt and 2-rank tests compare their final state with its checkpoints (training does not depend on
+    --num-epochs, which only bounds the loop)."""
     runs, failed = {}, {}
 
-    def get(algo):
-        if algo in failed:  # one failing run, reported once by the test that ran it, not run again by every user
-            pytest.fail(f"the {algo} reference run failed: {failed[algo]}")
-        if algo not in runs:
+    def get(algo, kernel="native"):
+        key = algo, kernel
+        if key in failed:  # one failing run, reported once by the test that ran it, not run again by every user
+            pytest.fail(f"the {algo} reference run ({kernel} kernels) failed: {failed[key]}")
+        if key not in runs:
             out = tmp_path_factory.mktemp(f"reference-{algo}")
             try:
-                proc = run(algo, f"--num-epochs {EPOCHS}", shared_prompts, out)
+                proc = run(algo, f"--num-epochs {EPOCHS}", shared_prompts, out, kernel=kernel)
             except BaseException as e:
-                failed[algo] = f"{type(e).__name__} in an earlier test"
+                failed[key] = f"{type(e).__name__} in an earlier test"
                 raise
             (run_dir,) = out.iterdir()
-            runs[algo] = SimpleNamespace(dir=run_dir, stdout=proc.stdout)
-        return runs[algo]
+            runs[key] = SimpleNamespace(dir=run_dir, stdout=proc.stdout)
+        return runs[key]
 
     return get
 
@@ -177,17 +179,19 @@ def test_killed_or_interrupted_runs_resume_exactly(reference, shared_prompts, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", sorted(FLAGS))
-def test_two_ranks_match_one_process(algo, reference, shared_prompts, tmp_path):
+@pytest.mark.parametrize("algo, kernel", [*((a, "native") for a in sorted(FLAGS)), ("crd", "avx2"), ("crd", "default")])
+def test_two_ranks_match_one_process(algo, kernel, reference, shared_prompts, tmp_path):
     """torchrun with 2 gloo ranks computes bit for bit what one process computes for the same global batch: every draw
     is keyed by the global sample index, each rank takes a slice of every optimizer step, prompts are encoded alone,
     gradients are averaged. One backward per rank and optimizer step (one trained timestep, one micro-batch per rank):
     with more, one process sums the gradients as ((g1 + g2) + g3) + g4 and two ranks as (g1 + g2) + (g3 + g4), which
     differ in rounding (measured with two timesteps: 4e-6 to 7e-6 relative after two steps; README). The one process
-    is the reference run, compared at its epoch-2 checkpoint."""
-    a = load_checkpoint(reference(algo).dir / "checkpoints" / "epoch_000002")
+    is the reference run, compared at its epoch-2 checkpoint. CRD (its default clip is active here) also under the
+    avx2 and default kernels, whose rounding differs from this CPU's (conftest's KERNELS)."""
+    a = load_checkpoint(reference(algo, kernel).dir / "checkpoints" / "epoch_000002")
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = run_script([*argv, *script_argv(algo, shared_prompts, tmp_path / "two", "--num-epochs", 2)])
+    two = script_argv(algo, shared_prompts, tmp_path / "two", "--num-epochs", 2)
+    out = run_script([*argv, *two], env=kernel_environ(kernel))
     assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
     (two_dir,) = (tmp_path / "two").iterdir()
     assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1
