@@ -110,8 +110,9 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     squares is taken in float64 from that row alone (in blocks of ROW_BLOCK columns), a sharded gradient's rows are
     all-reduced into their places (each entry has one non-zero term, so the sum is exact), and all rows are added by
     `math.fsum`, which rounds correctly in any order. One process, N ranks with replicated gradients (after
-    `all_reduce_grads`) and N ranks holding FSDP shards (DTensors sharded on dim 0) thus get the same norm bit for bit.
-    The scaling is torch's: coefficient max_norm / (norm + 1e-6) in float32, clamped to 1. Returns the norm before
+    `all_reduce_grads`) and N ranks holding FSDP shards (DTensors sharded on dim 0) thus get the same norm bit for bit
+    on the CPU (tested). On CUDA (untested) the reduction kernel may split a row's sum by the tensor's shape, so a
+    shard's rows could differ from the whole gradient's in their last float64 bits. The scaling is torch's: coefficient max_norm / (norm + 1e-6) in float32, clamped to 1. Returns the norm before
     clipping (float64, on the CPU); a NaN or inf gradient makes it NaN or inf, as in torch."""
     grads = [p.grad for p in params if p.grad is not None]
     whole, sharded, mesh = [], [], None  # [rows, blocks] float64 partial sums; a shard's with where its rows sit
