@@ -112,10 +112,11 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     `math.fsum`, which rounds correctly in any order. One process, N ranks with replicated gradients (after
     `all_reduce_grads`) and N ranks holding FSDP shards (DTensors sharded on dim 0) thus get the same norm bit for bit
     on the CPU (tested). On CUDA (untested) the reduction kernel may split a row's sum by the tensor's shape, so a
-    shard's rows could differ from the whole gradient's in their last float64 bits. The scaling is torch's: coefficient max_norm / (norm + 1e-6) in float32, clamped to 1. Returns the norm before
-    clipping (float64, on the CPU); a NaN or inf gradient makes it NaN or inf, as in torch."""
+    shard's rows could differ from the whole gradient's in their last float64 bits. The scaling is torch's:
+    coefficient max_norm / (norm + 1e-6) in float32, clamped to 1. Returns the norm before clipping (float64, on the
+    CPU); a NaN or inf gradient makes it NaN or inf, as in torch."""
     grads = [p.grad for p in params if p.grad is not None]
-    whole, sharded, mesh = [], [], None  # [rows, blocks] float64 partial sums; a shard's with where its rows sit
+    whole, sharded, mesh = [], [], None  # [rows, blocks] float64 partial sums; shards with where their rows sit
     for g in grads:
         shard = _shard_rows(g) if is_sharded(g) else None
         if shard is None:
