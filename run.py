@@ -315,21 +315,44 @@ def check_args(args, fresh: bool = True):
 
 
 def check_eval_rewards(args):
-    """--eval-rewards: reward names (or servers) of the registry, each once, none of them trained on (its eval score is
-    logged already)."""
-    from rewards import REWARDS, parse_reward_spec, remote
+    """--eval-rewards: reward names (or servers, whose URLs pass --reward's checks) of the registry, each once and
+    unweighted, none logging a metric the training reward's eval logs already. Rank 0, the one that evaluates, asks each
+    server what it serves now, before the model loads; a served reward is compared by the name it is logged under."""
+    from rewards import REWARDS, eval_metrics, parse_reward_spec, remote
 
     names = tuple(getattr(args, "eval_rewards", ()))
-    trained = parse_reward_spec(args.reward) if names else {}
     for k, name in enumerate(names):
-        if name not in REWARDS and not remote.is_url(name):
+        shown = remote.masked(name)
+        if remote.is_url(name):
+            try:
+                _, weight = remote.split_weight(name)
+            except UserError as e:
+                raise UserError(f"--eval-rewards: {e}") from None
+            if weight:
+                raise UserError(f"--eval-rewards {shown}: a side metric takes no weight (it is logged, not trained on)")
+        elif name not in REWARDS:
             raise UserError(
-                f"--eval-rewards: unknown reward {name!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]"
+                f"--eval-rewards: unknown reward {shown!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]"
             )
         if name in names[:k]:
-            raise UserError(f"--eval-rewards: {name!r} is named twice")
+            raise UserError(f"--eval-rewards: {shown!r} is named twice")
+    if not names:
+        return
+    trained = parse_reward_spec(args.reward)
+    served = {}  # URL -> the name its reward is logged under
+    if int(os.environ.get("RANK", "0")) == 0:
+        served = {url: remote.remote(url).reward_name for url in (*trained, *names) if remote.is_url(url)}
+    logged = eval_metrics(served.get(name, name) for name in trained)
+    for k, name in enumerate(names):
+        shown, metric = remote.masked(name), served.get(name, name)
         if name in trained:
-            raise UserError(f"--eval-rewards: {name!r} is the training reward, whose eval score is logged already")
+            raise UserError(f"--eval-rewards: {shown!r} is the training reward, whose eval score is logged already")
+        if metric in logged:
+            raise UserError(
+                f"--eval-rewards: {shown!r} logs eval/{metric}, which the training reward's eval ({args.reward}) logs already"
+            )
+        if metric in (served.get(n, n) for n in names[:k]):
+            raise UserError(f"--eval-rewards: {shown!r} serves {metric!r}, named already")
 
 
 def load_eval_rewards(args, enabled: bool):

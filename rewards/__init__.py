@@ -6,7 +6,7 @@ dependencies themselves, so importing this package stays cheap.
 
 import importlib
 import math
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Iterable, Sequence
 
 import torch
 
@@ -44,17 +44,20 @@ def parse_reward_spec(spec: str) -> Dict[str, float]:
     """ "a:1.0,b:0.1" -> {"a": 1.0, "b": 0.1}; a name without weight gets 1.0. A reward server's URL stands for a name
     (`http://host:8000/ocr:0.5`; see rewards/remote.py)."""
     weights = {}
+    shown = ",".join(remote.masked(part) for part in spec.split(","))  # the spec as messages may print it
     for part in spec.split(","):
         if remote.is_url(part.strip()):  # a reward server: http://host:port[/name][:weight]
             name, weight = remote.split_weight(part.strip())
         else:
             name, _, weight = part.strip().partition(":")
         if not name:
-            raise UserError(f"empty reward name in {spec!r}; available: {', '.join(REWARDS)}")
+            raise UserError(f"empty reward name in {shown!r}; available: {', '.join(REWARDS)}")
         if name not in REWARDS and not remote.is_url(name):
-            raise UserError(f"unknown reward {name!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]")
+            raise UserError(
+                f"unknown reward {remote.masked(name)!r}; available: {', '.join(REWARDS)} or a server's http://HOST:PORT[/name]"
+            )
         if name in weights:  # one weight per reward: a second would silently replace the first
-            raise UserError(f"reward {name!r} is named twice in {spec!r}; give it one weight")
+            raise UserError(f"reward {name!r} is named twice in {shown!r}; give it one weight")
         try:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
@@ -112,7 +115,7 @@ class MultiReward:
         (the asked objects and nothing else), `objects` and `objects_extra` (detected and extra objects per image),
         `prompt_specific_gap` (score against the image's own prompt minus against another prompt of its category)."""
         out = self(images, prompts)
-        if {"shapes", "shapes_clean"} & set(self.weights):
+        if {"shapes", "shapes_clean"} & set(self.weights):  # SHAPES_METRICS
             from rewards import shapes
 
             m = shapes.evaluate(images, list(prompts), [shapes.wrong_prompt(p) for p in prompts])
@@ -130,6 +133,20 @@ class MultiReward:
         if "ocr" in self.weights:
             out["ocr_strict"] = (out["ocr"] == 1).float()
         return out
+
+
+SHAPES_METRICS = ("shapes", "shapes_strict", "shapes_clean", "shapes_exact", "objects", "objects_extra", "prompt_specific_gap")
+
+
+def eval_metrics(names: Iterable[str]) -> set:
+    """The metrics `MultiReward.evaluate` logs for the rewards logged under `names` (a served reward's name is the
+    server's, not its URL): what an --eval-rewards side metric must not log again."""
+    out = set(names)
+    if {"shapes", "shapes_clean"} & out:
+        out.update(SHAPES_METRICS)
+    if "ocr" in out:
+        out.add("ocr_strict")
+    return out
 
 
 def load_rewards(spec: str, device, prompts: Sequence[str] = ()) -> MultiReward:

@@ -48,11 +48,40 @@ def is_url(part: str) -> bool:
     return part.startswith(("http://", "https://"))
 
 
+def masked(part: str) -> str:
+    """`part` as it may be printed: credentials masked (`user:***@`, `***@` for a bare token) and a query or fragment
+    (`?***`, `#***`), which can hold a token too. Everything before the last `@` counts as credentials: a password may
+    hold a `/`."""
+    head, sep, rest = part.partition("://")
+    if not sep:
+        head, rest = "", part
+    if "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        rest = (f"{user}:***@" if colon and "/" not in user else "***@") + rest
+    for mark in "?#":
+        if mark in rest:
+            rest = rest[: rest.index(mark)] + f"{mark}***"
+    return head + sep + rest
+
+
 def split_weight(part: str) -> Tuple[str, str]:
     """ "http://host:8000/ocr:0.5" -> ("http://host:8000/ocr", "0.5"); "http://host:8000" -> (its URL, "").
 
     A weight follows the path (`/name:w`) or, without a path, the port (`host:port:w`): the URL's own colons are the
-    scheme's and the port's. The URL is checked here, before anything loads."""
+    scheme's and the port's. The URL is checked here, before anything loads: it is saved in args.json and every
+    checkpoint, so it may hold no credentials nor a query (a token), and no message prints them (`masked`)."""
+    expected = "expected http://HOST:PORT[/name][:weight]"
+    if "@" in part:
+        raise UserError(
+            f"reward server URL {short(masked(part))} holds credentials: the URL is saved in args.json and every "
+            "checkpoint; put the server on a network you trust (or behind an SSH tunnel) instead"
+        )
+    if "?" in part or "#" in part:
+        raise UserError(
+            f"bad reward server URL {short(masked(part))}: a query or fragment (a token?) would be saved in args.json "
+            f"and every checkpoint; {expected}"
+        )
     scheme, _, rest = part.partition("://")
     netloc, slash, path = rest.partition("/")
     weight = ""
@@ -65,14 +94,9 @@ def split_weight(part: str) -> Tuple[str, str]:
         parsed = urllib.parse.urlsplit(url)
         parsed.port  # noqa: B018  (raises ValueError on a port that is not a number in 0-65535)
     except ValueError as e:
-        raise UserError(f"bad reward server URL {part!r} ({e}); expected http://HOST:PORT[/name][:weight]")
-    if "@" in netloc:
-        raise UserError(
-            f"reward server URL {short(url)} holds credentials: the URL is saved in args.json and every checkpoint; "
-            "put the server on a network you trust (or behind an SSH tunnel) instead"
-        )
-    if not parsed.hostname or "/" in path or "?" in part or "#" in part:
-        raise UserError(f"bad reward server URL {part!r}; expected http://HOST:PORT[/name][:weight]")
+        raise UserError(f"bad reward server URL {short(part)} ({e}); {expected}")
+    if not parsed.hostname or "/" in path:
+        raise UserError(f"bad reward server URL {short(part)}; {expected}")
     return url, weight
 
 

@@ -85,6 +85,13 @@ SHARED = {
     "--full-finetune --lora-rank 8": "--lora-rank: a LoRA setting, but --full-finetune trains every transformer weight",
     "--fsdp-cpu-offload": "--fsdp-cpu-offload offloads the shards of --fsdp: pass --fsdp too",
     "--fsdp --fsdp-cpu-offload --device cpu": "--fsdp-cpu-offload moves the shards off the GPU",
+    # a server URL is saved in args.json and every checkpoint: no credentials or token in it, none printed (masked)
+    "--reward http://user:secret@127.0.0.1:9/shapes": "URL 'http://user:***@127.0.0.1:9/shapes' holds credentials",
+    "--eval-rewards http://user:secret@127.0.0.1:9/shapes": "--eval-rewards: reward server URL 'http://user:***@127.0",
+    "--eval-rewards http://127.0.0.1:9/shapes?token=secret": "URL 'http://127.0.0.1:9/shapes?***': a query or fragment",
+    "--eval-rewards http://127.0.0.1:99999/shapes": "Port out of range 0-65535",
+    "--eval-rewards http://127.0.0.1:9/shapes:0.5": "--eval-rewards http://127.0.0.1:9/shapes:0.5: a side metric takes no",
+    "--eval-rewards shapes": "--eval-rewards: 'shapes' logs eval/shapes, which the training reward's eval (shapes_clean)",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
 NEEDS_MODEL = {"--lora-targets nosuchmodule"}
@@ -177,6 +184,7 @@ def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files,
     ]
     rc, err = call(algo, argv, capsys)
     assert_one_line(rc, err, expected.format(tmp=files))
+    assert "secret" not in err  # a password or token given in a URL is never printed
     assert not (files / "runs").exists() and not (files / "a-file").is_dir()
     assert not list(files.parent.glob("escaped*")) and not list(Path("/proc").glob("cleanflow*"))
     assert bool(loaded) == (flags in NEEDS_MODEL), "a check that needs no model ran after the model loaded"

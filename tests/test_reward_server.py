@@ -218,6 +218,77 @@ def test_down_or_foreign_server_is_one_line(misbehaving):
         remote._request(f"{misbehaving}/some/page", None, 1.0)
 
 
+def test_a_url_is_never_printed_with_its_credentials_or_query():
+    for part, shown in [
+        ("http://user:secret@h:8000/ocr", "http://user:***@h:8000/ocr"),
+        ("http://secret@h:8000", "http://***@h:8000"),  # a token as the user name
+        ("http://user:se/cr@et@h:8000", "http://user:***@h:8000"),  # a password holding '/' and '@'
+        ("http://h:8000/ocr?token=secret:0.5", "http://h:8000/ocr?***"),
+        ("http://h:8000/ocr#secret", "http://h:8000/ocr#***"),
+        ("http://h:8000/ocr:0.5", "http://h:8000/ocr:0.5"),
+    ]:
+        assert remote.masked(part) == shown
+    for spec in ["http://user:secret@h:8000/ocr", "shapes,,http://user:secret@h:8000", "http://h:99999/x?k=secret"]:
+        with pytest.raises(UserError) as e:
+            parse_reward_spec(spec)
+        assert "secret" not in str(e.value) and "***" in str(e.value), str(e.value)
+
+
+class Recording(BaseHTTPRequestHandler):
+    """A reward server's GET / that notes each request in `events`, as the test's model load does."""
+
+    events: list = []
+
+    def do_GET(self):
+        self.events.append(f"GET {self.path}")
+        body = json.dumps({"version": 1, "rewards": ["jpeg_compressibility", "shapes"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("jpeg_compressibility", "the model loads"),  # valid: the server was asked first
+        ("nosuch", "does not serve 'nosuch'; it serves jpeg_compressibility, shapes"),
+        ("shapes", "logs eval/shapes, which the training reward's eval (shapes_clean) logs already"),
+    ],
+)
+def test_an_eval_reward_server_is_asked_before_the_model_loads(name, message, tmp_path, capsys, monkeypatch):
+    """Rank 0 asks an --eval-rewards server what it serves in the flag checks: a name it does not serve, or a served
+    reward that the training reward's eval logs already (compared by its served name, not its URL), is one line
+    before the model loads."""
+    from test_bad_inputs import TINY, call
+
+    import models
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    events = Recording.events = []
+
+    def load(*a, **k):
+        events.append("load")
+        raise UserError("the model loads")
+
+    monkeypatch.setattr(models, "load_pipeline", load)
+    url = f"http://127.0.0.1:{server.server_address[1]}/{name}"
+    try:
+        argv = [*TINY, "--output-dir", str(tmp_path / "runs"), "--eval-rewards", url]
+        rc, err = call("nft", argv, capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert events == (["GET /", "load"] if message == "the model loads" else ["GET /"])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_server_refuses_bad_requests(servers):
     """The server's own checks: images that are not PNGs, or not as many as the prompts, are a 422 with a reason."""
     base = servers()

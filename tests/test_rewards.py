@@ -256,6 +256,9 @@ def test_eval_logs_the_hacking_metrics_for_either_shapes_reward(ground_truth):
             "prompt_specific_gap",
         } <= set(out)
         assert out["shapes_exact"].mean() == 1.0 and out["prompt_specific_gap"].min() > 0
+        # what --eval-rewards compares with (run.check_eval_rewards): exactly the metrics the eval logs
+        assert set(out) == rewards.eval_metrics([spec]) == set(rewards.SHAPES_METRICS)
+    assert rewards.eval_metrics(["ocr", "jpeg_compressibility"]) == {"ocr", "ocr_strict", "jpeg_compressibility"}
     with pytest.raises(UserError, match="cannot score the prompt 'a dog'"):
         load_rewards("shapes_clean", "cpu", ["a circle", "a dog"])
 
