@@ -6,7 +6,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,33 @@ class Dist:
         return self.rank == 0
 
 
+def env_ranks() -> Tuple[int, int, int]:
+    """(rank, world size, local rank) from the environment torchrun sets, checked: an environment left over from
+    torchrun, or set by hand, is one line rather than torch's traceback from `init_process_group`."""
+    values = []
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        text = os.environ.get(name, default)
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise UserError(f"{name}={text!r} in the environment is not a whole number (torchrun sets it)") from None
+    rank, world_size, local_rank = values
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise UserError(
+            f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank} in the environment: expected 0 <= RANK < "
+            "WORLD_SIZE and LOCAL_RANK >= 0 (torchrun sets them; unset them to run one process)"
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if world_size > 1 and not os.environ.get(name)]
+    if missing:
+        raise UserError(
+            f"WORLD_SIZE={world_size} in the environment but no {' or '.join(missing)}: launch with "
+            f"`torchrun --nproc-per-node {world_size} ...`, or unset WORLD_SIZE and RANK to run one process"
+        )
+    return rank, world_size, local_rank
+
+
 def setup_distributed(device: Optional[str] = None) -> Dist:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world_size, local_rank = env_ranks()
     if device is None:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     dev = check_device(device)

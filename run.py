@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common import FAMILIES, REPO, UserError, evaluate, load_prompts
-from distributed import busy_cpu_hint, check_device
+from distributed import busy_cpu_hint, check_device, env_ranks
 from models import EvalEMA, check_model_folder, compile_unavailable, is_fsdp, pipeline_config, swapped_weights
 
 
@@ -210,6 +210,7 @@ def _flag(name: str) -> str:
 def check_args(args, fresh: bool = True):
     """The checks that need no model, on the fields the five scripts share (each script checks its own after this):
     every bad value fails here, with one line, before anything is loaded or written."""
+    env_ranks()  # a torchrun environment left over (no MASTER_ADDR), or a RANK that is not one: one line, first
     fields = vars(args)
     for name, value in fields.items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -340,7 +341,7 @@ def check_eval_rewards(args):
         return
     trained = parse_reward_spec(args.reward)
     served = {}  # URL -> the name its reward is logged under
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env_ranks()[0] == 0:
         served = {url: remote.remote(url).reward_name for url in (*trained, *names) if remote.is_url(url)}
     logged = eval_metrics(served.get(name, name) for name in trained)
     for k, name in enumerate(names):

@@ -5,6 +5,7 @@ The scripts run in-process (`run.run_main` on tyro-parsed flags, as `python algo
 table takes seconds; only what needs a process of its own (a signal) runs as a subprocess."""
 
 import fcntl
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -647,3 +648,41 @@ def test_track_without_a_wandb_login_is_one_line(files):
     errors = [x for x in out.stderr.splitlines() if x.startswith("error")]
     assert errors == [errors[-1]] and "--track: wandb has no login here" in errors[-1]
     assert not (files / "runs").exists() and not (files / "wandb").exists()
+
+
+TORCHRUN_ENVS = {  # an environment left over from torchrun (or set by hand) -> a piece of the one line
+    "WORLD_SIZE=2 RANK=0": "WORLD_SIZE=2 in the environment but no MASTER_ADDR or MASTER_PORT: launch with `torchrun",
+    "WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1": "but no MASTER_PORT",
+    "WORLD_SIZE=2 RANK=2": "RANK=2, WORLD_SIZE=2, LOCAL_RANK=0 in the environment: expected 0 <= RANK < WORLD_SIZE",
+    "RANK=-1": "RANK=-1, WORLD_SIZE=1",
+    "WORLD_SIZE=0": "WORLD_SIZE=0",
+    "LOCAL_RANK=-1": "LOCAL_RANK=-1 in the environment",
+    "RANK=zero": "RANK='zero' in the environment is not a whole number",
+    "WORLD_SIZE=2.0": "WORLD_SIZE='2.0' in the environment is not a whole number",
+}
+
+
+@pytest.mark.parametrize("env", TORCHRUN_ENVS)
+def test_a_torchrun_environment_without_torchrun_is_one_line(env, files, capsys, monkeypatch):
+    """`WORLD_SIZE=2 RANK=0 python algos/crd.py` (torch's init_process_group raised a 25-line traceback): one line,
+    exit code 2, before the model loads, nothing written."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for pair in env.split():
+        monkeypatch.setenv(*pair.split("="))
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("the model loads"))
+    argv = [*TINY, "--test-prompts", str(files / "test.txt"), "--output-dir", str(files / "runs")]
+    assert_one_line(*call("crd", argv, capsys), TORCHRUN_ENVS[env])
+    assert not (files / "runs").exists()
+
+
+def test_a_torchrun_environment_without_torchrun_is_one_line_as_a_script(files):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = run_script(
+        ["algos/crd.py", *TINY, "--output-dir", files / "runs"],
+        check=False,
+        timeout=300,
+        env={**env, "WORLD_SIZE": "2", "RANK": "0"},
+    )
+    assert_one_line(out.returncode, out.stderr, TORCHRUN_ENVS["WORLD_SIZE=2 RANK=0"])
+    assert not (files / "runs").exists()
