@@ -87,10 +87,26 @@ def read_model_index(local: Path, model: str) -> dict:
     return index
 
 
+def check_components(index: dict, model: str):
+    """Every component of a model_index.json comes from diffusers or transformers (or is absent, [null, null]): a
+    custom module (["my_module", "MyClass"], a .py file in the folder) is code that from_pretrained would run, and
+    diffusers' own refusal is a 36-line traceback."""
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        if entry[0] not in (None, "diffusers", "transformers"):
+            raise UserError(
+                f"model {model!r}: model_index.json's {name} is {entry[1]!r} from the module {entry[0]!r}, not from "
+                "diffusers or transformers; cleanflow loads no code from a model folder"
+            )
+
+
 def check_model_folder(local: Path, model: str):
-    """Before the model loads: the folder's pipeline class is a registered family's, and the transformer it holds is
-    that family's (a class name over another family's parts loads, then fails at the first prompt)."""
+    """Before the model loads: the folder's pipeline class is a registered family's, its components are diffusers' and
+    transformers' classes, and the transformer it holds is that family's (a class name over another family's parts
+    loads, then fails at the first prompt)."""
     index = read_model_index(local, model)
+    check_components(index, model)
     cls = index.get("_class_name", "")
     if cls not in FAMILIES:
         raise UserError(
@@ -169,6 +185,8 @@ def load_pipeline(
     looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local and not (local / "model_index.json").exists():
         raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
+    if looks_local:
+        check_components(read_model_index(local, model), model)
     cls = pipeline_class(model)
     if cls not in FAMILIES:
         raise UserError(

@@ -5,6 +5,7 @@ The scripts run in-process (`run.run_main` on tyro-parsed flags, as `python algo
 table takes seconds; only what needs a process of its own (a signal) runs as a subprocess."""
 
 import fcntl
+import json
 import os
 import shutil
 import sys
@@ -80,6 +81,7 @@ SHARED = {
     "--exp-name ..": "--exp-name '..': must be a plain name",
     "--resolution 512": "--resolution 512: beyond the transformer's position embeddings (16 patches per side",
     "--model {tmp}/bad-json": "model_index.json is not valid JSON",
+    "--model {tmp}/custom-module": "model_index.json's vae is 'MyVAE' from the module 'my_vae', not from diffusers",
     "--model {tmp}/flux-over-sd3": "names FluxPipeline, whose transformer is FluxTransformer2DModel, but the folder holds SD3",
     # root passes os.access on any folder; only trying to write there shows /proc takes no run folder
     "--output-dir /proc/cleanflow-runs": "cannot create a run folder there (/proc is not a writable folder)",
@@ -138,6 +140,9 @@ def files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
     (tmp_path / "bad-json").mkdir()
     (tmp_path / "bad-json" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",')
+    (tmp_path / "custom-module").mkdir()  # a component whose class is code in the folder (my_vae.py)
+    custom = json.loads((Path(common.TINY_MODEL) / "model_index.json").read_text()) | {"vae": ["my_vae", "MyVAE"]}
+    (tmp_path / "custom-module" / "model_index.json").write_text(json.dumps(custom))
     (tmp_path / "flux-over-sd3").mkdir()  # the tiny SD3 folder's index under FLUX.1's class (the parts are not read)
     index = (Path(common.TINY_MODEL) / "model_index.json").read_text()
     (tmp_path / "flux-over-sd3" / "model_index.json").write_text(index.replace("StableDiffusion3Pipeline", "FluxPipeline"))

@@ -707,3 +707,24 @@ def test_chroma_checkpointed_blocks_lose_the_mask_so_checkpointing_is_refused(fa
         finally:
             pipe.transformer.disable_gradient_checkpointing()
     assert (plain - checkpointed).abs().max() > 1e-3
+
+
+def test_a_custom_component_module_is_refused_by_the_loader_too(tmp_path):
+    """A model_index.json naming a component from a module of the folder (code from_pretrained would import) is one
+    line from `load_pipeline` itself, so the benchmark scripts, which call it without the scripts' flag checks, refuse
+    it too; the module is never imported."""
+    import json
+
+    tiny = Path(common.TINY_MODEL)
+    for part in tiny.iterdir():
+        if part.is_dir():
+            (tmp_path / part.name).symlink_to(part.resolve())
+    index = json.loads((tiny / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "vae": ["my_vae", "MyVAE"]}))
+    marker = tmp_path / "imported"
+    (tmp_path / "my_vae.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass MyVAE: pass\n")
+    with pytest.raises(common.UserError, match=r"vae is 'MyVAE' from the module 'my_vae', not from diffusers or transformers"):
+        models.load_pipeline(str(tmp_path), CPU)
+    assert not marker.exists()
+    (tmp_path / "model_index.json").write_text(json.dumps(index))  # the same folder with the stock index loads
+    assert models.load_pipeline(str(tmp_path), CPU).family.name == "sd3"
