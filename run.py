@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import errno
 import inspect
+import io
 import json
 import math
 import os
@@ -62,6 +63,51 @@ def run_main(main, args, argv: Optional[Sequence[str]] = None):
     finally:
         release_run_locks()
         _CLI["argv"] = None
+
+
+def cli(args_class, argv: Optional[Sequence[str]] = None):
+    """`tyro.cli(args_class)` on `argv` (default sys.argv[1:]; former flag names upgraded), with a flag tyro refuses
+    (a value that is not a number, an unknown flag or choice, a missing value) made one line, exit code 2, like every
+    other bad input: tyro draws a box of 5-9 lines, wrapped at the terminal's width."""
+    import tyro
+
+    argv = upgrade_argv(list(sys.argv[1:] if argv is None else argv), args_class)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(args_class, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help (printed on stdout)
+            raise
+        # parsing is deterministic: parse again at a width that wraps nothing, so that no word is cut by the box
+        columns, os.environ["COLUMNS"] = os.environ.get("COLUMNS"), "100000"
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                tyro.cli(args_class, args=argv)
+        except SystemExit:
+            pass
+        finally:
+            os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+        print(f"error: {tyro_message(captured.getvalue())} (--help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+    sys.stderr.write(captured.getvalue())  # what tyro warns about a valid command line
+    return args
+
+
+def tyro_message(box: str) -> str:
+    """The message inside tyro's error box: its first paragraph, on one line ("Error parsing --num-steps:
+    invalid literal ..." -> "--num-steps: invalid literal ...")."""
+    rows = []
+    # the first line is the box's top with its title; without UTF-8 on stdout the box is drawn in ASCII
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines()[1:]:
+        row = line.strip().strip("│").strip()
+        if not row or set(row) <= set("-─╰╯"):  # a blank row or a rule (or the ASCII box's top): the message ends
+            if rows:
+                break
+        else:
+            rows.append(row)
+    return re.sub(r"^Error parsing (\S+):", r"\1:", " ".join(rows)) or "the command line could not be parsed"
 
 
 def resume_hint() -> str:

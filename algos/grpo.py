@@ -625,4 +625,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args, args=run.upgrade_argv(sys.argv[1:], Args)))
+    run.run_main(main, run.cli(Args))

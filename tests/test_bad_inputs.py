@@ -7,6 +7,7 @@ table takes seconds; only what needs a process of its own (a signal) runs as a s
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -501,8 +502,46 @@ def test_ctrl_c_while_the_model_loads_is_one_line(files):
 
 
 def test_bad_cli_choice_exits_2(files):
-    out = run_script(["algos/nft.py", "--dynamics", "Foo"], check=False, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr and "invalid choice 'Foo'" in out.stderr
+    out = run_script(["algos/nft.py", "--dynamics", "Foo"], check=False, timeout=120, env={**os.environ, "COLUMNS": "40"})
+    assert_one_line(out.returncode, out.stderr, "invalid choice 'Foo' for argument '--dynamics'. Expected one of")
+
+
+LONG_VALUE = "9" * 60 + "x"  # longer than a 40-column box: tyro cuts it across two lines
+TYRO_ERRORS = {  # a flag tyro refuses (before any of our checks) -> the one line, whole
+    "--num-steps x": "--num-steps: invalid literal for int() with base 10: 'x'",
+    "--dynamics Foo": "invalid choice 'Foo' for argument '--dynamics'. Expected one of ('ODE', 'Flow-SDE', 'Dance-SDE', "
+    "'CPS').",
+    "--nosuch 1": "Unrecognized options: --nosuch, 1",
+    "--num-steps": "Missing value for argument '--num-steps'. Expected 1 values.",
+    "--num-steps 1 2": "Unrecognized options: 2",
+    "--no-full-finetune 3": "Unrecognized options: 3",
+    f"--learning-rate {LONG_VALUE}": "--learning-rate: no type matching {None}|FLOAT could be instantiated from "
+    f"['{LONG_VALUE}'].",
+}
+
+
+@pytest.mark.parametrize("box", ["ascii", "utf8", "ansi"])
+@pytest.mark.parametrize("flags", TYRO_ERRORS)
+def test_a_flag_tyro_refuses_is_one_line_exit_2(flags, box, capsys, monkeypatch):
+    """tyro's own errors (a box of 5-9 lines, wrapped at the terminal's width) are one line, at a narrow terminal too,
+    however tyro draws the box (ASCII when stdout is not UTF-8, as under pytest; colours on a terminal); --help still
+    prints the help."""
+    import tyro._fmtlib
+
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr(tyro._fmtlib, "_FORCE_UTF8_BOXES", box != "ascii")
+    monkeypatch.setattr(tyro._fmtlib, "_FORCE_ANSI", box == "ansi")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run.cli(grpo.Args, flags.split())
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == ""
+    assert out.err == f"error: {TYRO_ERRORS[flags]} (--help lists the flags)\n"
+    assert os.environ["COLUMNS"] == "40"
+    with pytest.raises(SystemExit) as e:
+        run.cli(grpo.Args, ["--help"])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and "--num-steps INT" in re.sub(r"\x1b\[[0-9;]*m", "", out.out) and out.err == ""
 
 
 def test_saved_state_loads_without_pickle(nft_run):

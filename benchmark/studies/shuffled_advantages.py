@@ -11,11 +11,9 @@ takes every flag of algos/grpo.py (`benchmark/convergence.py train grpo_full_shu
 """
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
-import tyro
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("grpo", REPO / "algos" / "grpo.py")
@@ -37,4 +35,4 @@ def shuffled_advantages(scores: dict, *a, **kw) -> torch.Tensor:
 grpo.aggregate_advantages = shuffled_advantages
 
 if __name__ == "__main__":
-    run.run_main(grpo.main, tyro.cli(grpo.Args, args=run.upgrade_argv(sys.argv[1:], grpo.Args)))
+    run.run_main(grpo.main, run.cli(grpo.Args))
