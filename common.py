@@ -761,7 +761,7 @@ def load_prompts(path: str) -> list:
     if not p.is_file():
         raise UserError(f"prompt file {path!r} is not a regular file (a device or a pipe); pass a .txt or .jsonl file")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as e:
         raise UserError(f"prompt file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})")
     prompts = []
@@ -770,10 +770,12 @@ def load_prompts(path: str) -> list:
             continue
         if p.suffix == ".jsonl":
             try:
-                row = json.loads(line)
-                prompts.append(str(row["prompt"]))
+                prompt = json.loads(line)["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise UserError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
+            if not isinstance(prompt, str):  # null, a list or a number would be trained on as "None", "['a']", "3"
+                raise UserError(f"{path}:{n}: 'prompt' is {short(json.dumps(prompt))}, expected a string")
+            prompts.append(prompt)
         else:
             prompts.append(line.strip())
     if not prompts:

@@ -279,7 +279,7 @@ def check_args(args, fresh: bool = True):
     for name in positive:
         if name in fields and fields[name] <= 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
-    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip"):
+    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip", "off_policy_after"):
         if name in fields and fields[name] is not None and fields[name] < 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
     if fields.get("seed", 0) < 0:
@@ -298,6 +298,9 @@ def check_args(args, fresh: bool = True):
     for name in ("eval_ema_interval", "eval_ema_repeats"):
         if fields.get(name, 1) < 1:
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 1")
+        # without a decay there is no eval EMA to update; a run saved before this check resumes as it was
+        if fresh and name in given_flags(args) and not fields.get("eval_ema_decay"):
+            raise UserError(f"{_flag(name)} sets the eval EMA's updates: pass --eval-ema-decay > 0 too (0 = off)")
     if fields.get("dynamics") == "CPS" and fields.get("eta", 0) > 1:
         raise UserError(f"--eta {args.eta}: CPS needs eta in [0, 1] (the share of fresh noise is sin(eta pi / 2))")
     if fields.get("fsdp_cpu_offload") and not fields.get("fsdp"):

@@ -4,6 +4,8 @@ Text: CLIP-L/G + T5 token embeddings concatenated, and both CLIPs' pooled projec
 transformer patchifies inside), timestep = 1000 sigma, static shift, two-pass CFG batched as one 2B call.
 """
 
+from pathlib import Path
+
 import torch
 
 import common
@@ -59,6 +61,29 @@ def card(pipe, call, settings):
     return [], {**call, "sigmas": f"np.linspace(1.0, 1 / {n}, {n}).tolist()"}, "images"
 
 
+def has_t5(config, local) -> bool:
+    """Whether the pipeline loads with T5 (text_encoder_3): a local folder needs its folder (see `load_kwargs`) and an
+    index entry that is not [null, null]; a hub id's SD3/SD3.5 have one."""
+    if local is None:
+        return True
+    return (local / "text_encoder_3").is_dir() and (config.get("text_encoder_3") or [None])[0] is not None
+
+
+def check(config, args):
+    """--max-sequence-length sets T5's token count: StableDiffusion3Pipeline refuses more than 512, and without T5 the
+    text is CLIP's alone (the flag would change nothing)."""
+    n = getattr(args, "max_sequence_length", None)
+    if n is None:
+        return
+    if n > 512:
+        raise common.UserError(f"--max-sequence-length {n}: SD3's T5 takes at most 512 tokens (the pipeline's limit)")
+    local = Path(args.model).expanduser()
+    if not has_t5(config, local if (local / "model_index.json").is_file() else None):
+        raise common.UserError(
+            f"--max-sequence-length {n}: {args.model} has no T5 (text_encoder_3), whose length it sets: drop the flag"
+        )
+
+
 def load_kwargs(local):
     # T5 (text_encoder_3) is optional: a folder without one loads with None, and the pipeline pads with zeros
     return (
@@ -77,6 +102,7 @@ FAMILY = common.Family(
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
     card=card,
+    check=check,
     # `attn.` keeps SD3.5-M's second self-attention `attn2` (dual-attention blocks 0-12: 52 more modules, +27% LoRA
     # parameters) out, as flow_grpo scripts/train_sd3.py:419-428, DiffusionNFT, AWM, DGPO and Flow-Factory do
     lora_targets=tuple(

@@ -65,6 +65,8 @@ SHARED = {
     "--eval-ema-decay 1": "--eval-ema-decay 1.0: must be in [0, 1)",
     "--eval-ema-interval 0": "--eval-ema-interval 0: must be >= 1",
     "--eval-ema-repeats 0": "--eval-ema-repeats 0: must be >= 1",
+    "--eval-ema-interval 5": "--eval-ema-interval sets the eval EMA's updates: pass --eval-ema-decay > 0 too",
+    "--eval-ema-repeats 2 --eval-ema-decay 0": "--eval-ema-repeats sets the eval EMA's updates: pass --eval-ema-decay",
     "--push-to-hub not/a/repo": "is not a hub repo id",
     "--reward shapes_clean:2,shapes:nan": "bad weight 'nan' for reward 'shapes'",
     "--height 50": "height 50 must be a multiple of 8",
@@ -72,6 +74,8 @@ SHARED = {
     "--num-frames 5": "StableDiffusion3Pipeline makes images, not videos",
     "--negative-prompt blurry": "--negative-prompt is used by CFG only",
     "--max-sequence-length 0": "--max-sequence-length 0: must be > 0",
+    "--max-sequence-length 100000": "--max-sequence-length 100000: SD3's T5 takes at most 512 tokens",
+    "--max-sequence-length 77": "has no T5 (text_encoder_3), whose length it sets: drop the flag",
     "--reward shapes:1,shapes:2": "reward 'shapes' is named twice",
     "--eval-rewards nosuchreward": "--eval-rewards: unknown reward 'nosuchreward'",
     "--eval-rewards jpeg_compressibility jpeg_compressibility": "--eval-rewards: 'jpeg_compressibility' is named twice",
@@ -111,6 +115,7 @@ SPECIFIC = [
     ("dgpo", "--ema-ref-decay-start 1.5", "--ema-ref-decay-start 1.5: must be in [0, 1]"),
     ("dgpo", "--micro-batch 2", "must hold whole groups"),
     ("dgpo", "--num-train-timesteps 11", "--num-train-timesteps 11: only"),
+    ("dgpo", "--off-policy-after=-5", "--off-policy-after -5: must be >= 0"),
     ("nft", "--timesteps-per-image --num-train-timesteps 11", "--num-train-timesteps 11: --timesteps-per-image draws"),
     ("nft", "--micro-batch 3", "micro_batch (3) must divide"),
     ("nft", "--lora-targets nosuchmodule", "--lora-targets nosuchmodule: no LoRA could be attached"),
@@ -119,6 +124,8 @@ SPECIFIC = [
     ("grpo", "--lora-alpha 32 --full-finetune", "--lora-alpha: a LoRA setting"),  # given, even at its default
     ("nft", "--train-prompts {tmp}/empty.txt", "has no prompts"),
     ("nft", "--train-prompts {tmp}/bad.jsonl", "bad.jsonl:1: expected a JSON object"),
+    ("crd", "--train-prompts {tmp}/null.jsonl", "null.jsonl:2: 'prompt' is 'null', expected a string"),
+    ("grpo", "--test-prompts {tmp}/list.jsonl", "list.jsonl:1: 'prompt' is '[\"a\", \"b\"]', expected a string"),
     ("nft", "--train-prompts {tmp}/missing.txt", "not found"),
     ("nft", "--train-prompts {tmp}", "is a folder"),
     ("nft", "--train-prompts /dev/null", "is not a regular file"),
@@ -139,6 +146,8 @@ def files(tmp_path):
     (tmp_path / "long.txt").write_text(f"a red circle\n{LONG}\n")
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
+    (tmp_path / "null.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": null}\n')
+    (tmp_path / "list.jsonl").write_text('{"prompt": ["a", "b"]}\n')
     (tmp_path / "bad-json").mkdir()
     (tmp_path / "bad-json" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",')
     (tmp_path / "custom-module").mkdir()  # a component whose class is code in the folder (my_vae.py)

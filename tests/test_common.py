@@ -388,6 +388,13 @@ def test_load_prompts_txt_jsonl_and_errors(tmp_path):
         common.load_prompts(tmp_path / "bad.jsonl")
     with pytest.raises(common.UserError, match="not found"):
         common.load_prompts(tmp_path / "missing.txt")
+    for value, shown in [(None, "null"), (["a", "b"], r'\["a", "b"\]'), (3, "3"), ({"a": 1}, r'\{"a": 1\}')]:
+        (tmp_path / "typed.jsonl").write_text(json.dumps({"prompt": "a square"}) + "\n" + json.dumps({"prompt": value}))
+        with pytest.raises(common.UserError, match=f"typed.jsonl:2: 'prompt' is '{shown}', expected a string"):
+            common.load_prompts(tmp_path / "typed.jsonl")
+    for name, line in [("bom.txt", "a red circle"), ("bom.jsonl", json.dumps({"prompt": "a red circle"}))]:
+        (tmp_path / name).write_bytes(("\ufeff" + line + "\n").encode())  # a UTF-8 byte-order mark, as Notepad writes
+        assert common.load_prompts(tmp_path / name) == ["a red circle"]
 
 
 def test_lora_starts_at_base_and_reference_disables_it(pipe):

@@ -728,3 +728,28 @@ def test_a_custom_component_module_is_refused_by_the_loader_too(tmp_path):
     assert not marker.exists()
     (tmp_path / "model_index.json").write_text(json.dumps(index))  # the same folder with the stock index loads
     assert models.load_pipeline(str(tmp_path), CPU).family.name == "sd3"
+
+
+def test_sd3_max_sequence_length_needs_t5_and_at_most_512(tmp_path):
+    """--max-sequence-length sets T5's token count: refused on an SD3 folder without T5 (it changed nothing) and above
+    StableDiffusion3Pipeline's 512; a folder with T5 takes up to 512."""
+    import json
+
+    from models import sd3
+
+    index = json.loads((Path(common.TINY_MODEL) / "model_index.json").read_text())  # no T5: [null, null]
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+
+    def check(config, n):
+        sd3.check(config, types.SimpleNamespace(model=str(tmp_path), max_sequence_length=n))
+
+    check(index, None)
+    with pytest.raises(common.UserError, match="--max-sequence-length 77: .* has no T5 .*: drop the flag"):
+        check(index, 77)
+    with_t5 = {**index, "text_encoder_3": ["transformers", "T5EncoderModel"]}
+    (tmp_path / "text_encoder_3").mkdir()
+    check(with_t5, 512)
+    with pytest.raises(common.UserError, match="--max-sequence-length 513: SD3's T5 takes at most 512 tokens"):
+        check(with_t5, 513)
+    with pytest.raises(common.UserError, match="has no T5"):  # the folder without the index entry loads without T5 too
+        check(index, 256)
