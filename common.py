@@ -83,7 +83,11 @@ class Family:
     `encode_negative`: `encode` for the negative prompt, where the pipeline encodes it differently (Sana: no instruction);
     `text_length(pipe, prompts, max_sequence_length)` -> the text length a batch is encoded at, for families whose
     embedding of a prompt depends on the rest of its batch (CogView4: GLM sees the batch's padding, unmasked); `encode`
-    then takes it as `length=` and `PromptEncoder` caches per (prompt, length)."""
+    then takes it as `length=` and `PromptEncoder` caches per (prompt, length). `no_cfg(pipe)` -> why the loaded
+    pipeline samples without CFG (a distilled FLUX.2-klein: its pipeline ignores the scale), or None: `load_pipeline`
+    marks the transformer and `velocity` refuses a scale > 1; `no_negative(pipe)` -> why the family takes no negative
+    prompt (a guidance embedding, one pass), or None: `PromptEncoder` refuses one. The scripts' `check` refuses both
+    before loading; these hooks make every caller of the sampler (the benchmark scripts) refuse them too."""
 
     name: str
     pipelines: tuple
@@ -103,6 +107,8 @@ class Family:
     card: Optional[Callable] = None  # (Model, call, settings) -> (setup lines, call, output): see `card_call`
     num_frames: Optional[int] = None  # video families: frames per video by default
     check: Optional[Callable] = None  # (model_index.json as a dict, args) -> None, raises UserError
+    no_cfg: Optional[Callable] = None  # (pipe) -> why it samples without CFG, or None (see above)
+    no_negative: Optional[Callable] = None  # (pipe) -> why it takes no negative prompt, or None (see above)
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -169,6 +175,9 @@ class PromptEncoder:
 
     def __init__(self, pipe, max_sequence_length: Optional[int] = None, negative_prompt: str = "", cache_device=None):
         self.pipe, self.family = pipe.pipe, pipe.family
+        reason = self.family.no_negative(self.pipe) if negative_prompt and self.family.no_negative else None
+        if reason:  # the sampler would drop it without a word
+            raise UserError(f"negative prompt {short(negative_prompt)}: {reason}")
         self.max_sequence_length = self.family.max_sequence_length(self.pipe, max_sequence_length)
         self.negative_prompt = negative_prompt
         self.device = pipe.transformer.device
@@ -281,6 +290,8 @@ def velocity(transformer, x, sigma, cond: Cond, guidance_scale: float = 1.0) -> 
     """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
     Returns fp32 like x. `cond` is the batch's text (`Cond`); its negative prompt is used for CFG (scale > 1); the
     family's own guidance mode applies (see models/<family>.py)."""
+    if guidance_scale > 1 and getattr(transformer, "cfg_refused", None):  # a distilled FLUX.2-klein (`Family.no_cfg`)
+        raise UserError(f"guidance scale {guidance_scale}: {transformer.cfg_refused}")
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
     return family_of(transformer).velocity(transformer, x, sigma, cond.embeds, cond.pooled, cond.neg, guidance_scale)
 

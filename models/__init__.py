@@ -233,6 +233,9 @@ def load_pipeline(
         raise UserError(f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
     else:
         transformer = pipe.transformer
+    reason = family.no_cfg(pipe) if family.no_cfg else None
+    if reason:  # what the pipeline would ignore, common.velocity refuses (the transformer is what the sampler is given)
+        transformer.cfg_refused = reason
     return Model(pipe, family, transformer, scheduler, tuple(shape))
 
 

@@ -60,12 +60,15 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
     return unpack_latents(out, h, w)
 
 
+NO_NEGATIVE = (
+    "FLUX.1's guidance is an embedding (one pass): no negative prompt (FluxPipeline's two-pass true_cfg_scale is not "
+    "supported)"
+)
+
+
 def check(config, args):
     if args.negative_prompt:
-        raise common.UserError(
-            "--negative-prompt: FLUX.1's guidance is an embedding (one pass): no negative prompt (FluxPipeline's "
-            "two-pass true_cfg_scale is not supported)"
-        )
+        raise common.UserError(f"--negative-prompt: {NO_NEGATIVE}")
 
 
 def card(pipe, call, settings):
@@ -91,6 +94,7 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,
     check=check,
+    no_negative=lambda pipe: NO_NEGATIVE,
     card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

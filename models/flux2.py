@@ -8,7 +8,7 @@ image (0, r, c, 0), text (0, 0, 0, l). timestep = sigma. Shift: mu = `compute_em
 depends on the step count too. Guidance: dev has a guidance embedding (single pass, scale 4 typical); klein base
 runs two-pass CFG against the negative prompt (two calls, as the pipeline; its `__call__` takes the negative prompt
 as `negative_prompt_embeds`); the distilled klein checkpoints (`is_distilled`) run without CFG: the pipeline ignores
-the scale for them, and `check` refuses a scale > 1 before loading.
+the scale for them: `check` refuses a scale > 1 before loading, and the sampler too (`no_cfg`).
 """
 
 import json
@@ -76,21 +76,38 @@ def mu(config, tokens, num_steps):
     return compute_empirical_mu(tokens, num_steps)
 
 
-def check(config, args):
-    """FLUX.2-dev takes no negative prompt (its guidance is an embedding); a distilled klein checkpoint, no CFG."""
-    scale = max(args.guidance_scale, getattr(args, "eval_guidance_scale", None) or 0)
+NO_NEGATIVE = "FLUX.2-dev's guidance is an embedding (one pass): no negative prompt"
+
+
+def distilled(model: str, config: dict) -> bool:
+    """A distilled FLUX.2-klein (`is_distilled` in its model_index.json), which samples without CFG. A hub id's index
+    is not read before loading: the released klein-4B/-9B are distilled, klein-base-* not."""
     if config.get("_class_name") != "Flux2KleinPipeline":
-        if args.negative_prompt:
-            raise common.UserError("--negative-prompt: FLUX.2-dev's guidance is an embedding (one pass): no negative prompt")
+        return False
+    local = (Path(model).expanduser() / "model_index.json").is_file()
+    return bool(config.get("is_distilled", False)) if local else "base" not in model.lower()
+
+
+def no_cfg_reason(model: str) -> str:
+    return (
+        f"{model} is a distilled FLUX.2-klein, which samples without CFG (Flux2KleinPipeline ignores the scale); "
+        "sample at 1, or train a klein-base checkpoint"
+    )
+
+
+def check(config, args):
+    """FLUX.2-dev takes no negative prompt (its guidance is an embedding); a distilled klein checkpoint, no CFG: not
+    at --guidance-scale, --eval-guidance-scale, nor at the KL reference's --kl-cfg (CRD, DGPO)."""
+    if config.get("_class_name") != "Flux2KleinPipeline" and args.negative_prompt:
+        raise common.UserError(f"--negative-prompt: {NO_NEGATIVE}")
+    if not distilled(args.model, config):
         return
-    local = (Path(args.model).expanduser() / "model_index.json").is_file()
-    # a hub id's model_index.json is not read before loading: the released klein-4B/-9B are distilled, klein-base-* not
-    distilled = config.get("is_distilled", False) if local else "base" not in args.model.lower()
-    if distilled and scale > 1:
-        raise common.UserError(
-            f"guidance scale {scale}: {args.model} is a distilled FLUX.2-klein, which samples without CFG "
-            f"(Flux2KleinPipeline ignores the scale); pass --guidance-scale 1, or train a klein-base checkpoint"
-        )
+    scales = {"--guidance-scale": args.guidance_scale, "--eval-guidance-scale": getattr(args, "eval_guidance_scale", None)}
+    if getattr(args, "kl_beta", 0) > 0:
+        scales["--kl-cfg"] = getattr(args, "kl_cfg", None)
+    for flag, scale in scales.items():
+        if scale is not None and scale > 1:
+            raise common.UserError(f"{flag} {scale}: {no_cfg_reason(args.model)}")
 
 
 def card(pipe, call, settings):
@@ -126,6 +143,8 @@ FAMILY = common.Family(
     tokens=lambda shape: shape[1] * shape[2],
     mu=mu,
     check=check,
+    no_cfg=lambda pipe: no_cfg_reason(pipe.name_or_path) if pipe.config.get("is_distilled") else None,
+    no_negative=lambda pipe: None if type(pipe).__name__ == "Flux2KleinPipeline" else NO_NEGATIVE,
     card=card,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -71,12 +71,15 @@ def card(pipe, call, settings):
     return [], {**call, "num_frames": str(settings["num_frames"]), "output_type": '"np"'}, "frames"
 
 
+NO_NEGATIVE = (
+    "HunyuanVideo's guidance is an embedding (one pass): no negative prompt (the pipeline's two-pass true_cfg_scale is "
+    "not supported)"
+)
+
+
 def check(config, args):
     if args.negative_prompt:
-        raise common.UserError(
-            "--negative-prompt: HunyuanVideo's guidance is an embedding (one pass): no negative prompt (the pipeline's "
-            "two-pass true_cfg_scale is not supported)"
-        )
+        raise common.UserError(f"--negative-prompt: {NO_NEGATIVE}")
     try:
         vae = json.loads((Path(args.model).expanduser() / "vae" / "config.json").read_text())
     except (OSError, ValueError):
@@ -101,5 +104,6 @@ FAMILY = common.Family(
     num_frames=33,
     card=card,
     check=check,
+    no_negative=lambda pipe: NO_NEGATIVE,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
 )

@@ -450,7 +450,7 @@ def distilled_klein(family_dirs, tmp_path_factory):
 
 FAMILY_BAD_INPUTS = [  # (tiny pipeline, flags, a piece of the one error line)
     ("distilled_klein", "--guidance-scale 4", "is a distilled FLUX.2-klein, which samples without CFG"),
-    ("distilled_klein", "--eval-guidance-scale 2", "guidance scale 2.0:"),
+    ("distilled_klein", "--eval-guidance-scale 2", "--eval-guidance-scale 2.0: "),
     ("flux2_dev", "--guidance-scale 4 --negative-prompt blurry", "FLUX.2-dev's guidance is an embedding"),
     ("wan", "--num-frames 4", "--num-frames 4 must be 2 k + 1"),
     ("cogview4", "--num-frames 5", "CogView4Pipeline makes images, not videos"),
@@ -753,3 +753,36 @@ def test_sd3_max_sequence_length_needs_t5_and_at_most_512(tmp_path):
         check(with_t5, 513)
     with pytest.raises(common.UserError, match="has no T5"):  # the folder without the index entry loads without T5 too
         check(index, 256)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_video", "flux_dev", "flux2_dev", "distilled_klein"])
+def test_what_a_pipeline_cannot_guide_is_refused_on_the_library_path(family, family_dirs, distilled_klein, tmp_path, capsys):
+    """Outside the scripts' flag checks (a benchmark script, a notebook): the sampler refuses CFG on a distilled
+    FLUX.2-klein, whose pipeline ignores the scale (our two-pass CFG would sample other images), and `PromptEncoder`
+    a negative prompt for a family guided by an embedding, which the sampler would drop without a word."""
+    path = distilled_klein if family == "distilled_klein" else family_dirs(FAMILIES[family][0])
+    pipe = models.load_pipeline(path, CPU, resolution=32, num_frames=frames(family))
+    noise = torch.randn(1, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
+
+    def sample(encoder, guidance_scale):
+        cond = encoder.cond(PROMPTS[:1], guidance_scale > 1)
+        return common.sample(pipe.transformer, pipe.scheduler, cond, num_steps=2, guidance_scale=guidance_scale, noise=noise)
+
+    if family == "distilled_klein":
+        encoder = common.PromptEncoder(pipe, negative_prompt="blurry")  # klein takes a negative prompt (its base CFG)
+        with pytest.raises(common.UserError, match=r"guidance scale 4.0: .* is a distilled FLUX.2-klein, which samples"):
+            sample(encoder, 4.0)
+        assert sample(encoder, 1.0).latents.isfinite().all()
+        from test_bad_inputs import TINY, assert_one_line, call
+
+        # CRD's KL reference at --kl-cfg 4.5 (its default) is refused before the model loads
+        (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS))
+        prompts = ["--train-prompts", str(tmp_path / "prompts.txt"), "--test-prompts", str(tmp_path / "prompts.txt")]
+        argv = [*TINY, "--model", path, "--reward", "jpeg_compressibility", *prompts, "--output-dir", str(tmp_path / "r")]
+        assert_one_line(*call("crd", argv, capsys), "--kl-cfg 4.5: ")
+        assert not (tmp_path / "r").exists()
+        return
+    reason = {"hunyuan_video": "HunyuanVideo's", "flux_dev": "FLUX.1's", "flux2_dev": "FLUX.2-dev's"}[family]
+    with pytest.raises(common.UserError, match=f"negative prompt 'blurry': {reason} guidance is an embedding"):
+        common.PromptEncoder(pipe, negative_prompt="blurry")
+    assert sample(common.PromptEncoder(pipe), 4.0).latents.isfinite().all()  # the scale goes into the embedding
