@@ -74,6 +74,17 @@ def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_
     assert torch.equal(shuffled, control.grpo.aggregate_advantages(scores, {"shapes_clean": 1.0}, 8))
 
 
+def test_shuffled_advantages_takes_grpos_flags_with_their_one_line_errors():
+    """The control parses grpo.py's flags with `run.cli`: a bad one is one line, exit 2 (tyro read the docstrings of a
+    module it could not find and raised a 60-line traceback); --help lists them."""
+    out = run_script(["benchmark/studies/shuffled_advantages.py", "--num-steps", "x"], check=False, timeout=300)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "error: --num-steps: invalid literal for int() with base 10: 'x' (--help lists the flags)"
+    ], out.stderr[-2000:]
+    out = run_script(["benchmark/studies/shuffled_advantages.py", "--help"], timeout=300)
+    assert "--num-sde-steps" in out.stdout
+
+
 def test_images_of_a_committed_export_come_from_its_model_card(tmp_path):
     from benchmark.convergence import images_in_card
 

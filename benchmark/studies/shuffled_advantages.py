@@ -11,14 +11,15 @@ takes every flag of algos/grpo.py (`benchmark/convergence.py train grpo_full_shu
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("grpo", REPO / "algos" / "grpo.py")
+spec = importlib.util.spec_from_file_location("grpo_shuffled", REPO / "algos" / "grpo.py")  # not the real `grpo`
 grpo = importlib.util.module_from_spec(spec)
-sys.modules["grpo"] = grpo  # tyro reads Args' field docstrings through the module, so it must be findable
+sys.modules[spec.name] = grpo  # tyro reads Args' field docstrings from the module's source (--help, a flag's error)
 spec.loader.exec_module(grpo)  # puts the repo on sys.path, as running the script does
 import run  # noqa: E402
 
