@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+import tyro
 
 from common import FAMILIES, REPO, UserError, evaluate, load_prompts
 from distributed import busy_cpu_hint, check_device, env_ranks
@@ -69,8 +70,6 @@ def cli(args_class, argv: Optional[Sequence[str]] = None):
     """`tyro.cli(args_class)` on `argv` (default sys.argv[1:]; former flag names upgraded), with a flag tyro refuses
     (a value that is not a number, an unknown flag or choice, a missing value) made one line, exit code 2, like every
     other bad input: tyro draws a box of 5-9 lines, wrapped at the terminal's width."""
-    import tyro
-
     argv = upgrade_argv(list(sys.argv[1:] if argv is None else argv), args_class)
     captured = io.StringIO()
     try:
@@ -88,7 +87,10 @@ def cli(args_class, argv: Optional[Sequence[str]] = None):
         except SystemExit:
             pass
         finally:
-            os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+            if columns is None:
+                del os.environ["COLUMNS"]
+            else:
+                os.environ["COLUMNS"] = columns
         print(f"error: {tyro_message(captured.getvalue())} (--help lists the flags)", file=sys.stderr)
         sys.exit(2)
     sys.stderr.write(captured.getvalue())  # what tyro warns about a valid command line

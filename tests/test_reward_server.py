@@ -258,6 +258,8 @@ class Recording(BaseHTTPRequestHandler):
         ("jpeg_compressibility", "the model loads"),  # valid: the server was asked first
         ("nosuch", "does not serve 'nosuch'; it serves jpeg_compressibility, shapes"),
         ("shapes", "logs eval/shapes, which the training reward's eval (shapes_clean) logs already"),
+        # the same served reward under two URLs (127.0.0.1 and localhost): one side metric twice
+        ("jpeg_compressibility localhost", "serves 'jpeg_compressibility', named already"),
     ],
 )
 def test_an_eval_reward_server_is_asked_before_the_model_loads(name, message, tmp_path, capsys, monkeypatch):
@@ -277,15 +279,16 @@ def test_an_eval_reward_server_is_asked_before_the_model_loads(name, message, tm
         raise UserError("the model loads")
 
     monkeypatch.setattr(models, "load_pipeline", load)
-    url = f"http://127.0.0.1:{server.server_address[1]}/{name}"
+    name, *again = name.split()
+    urls = [f"http://{host}:{server.server_address[1]}/{name}" for host in ["127.0.0.1", *again]]
     try:
-        argv = [*TINY, "--output-dir", str(tmp_path / "runs"), "--eval-rewards", url]
+        argv = [*TINY, "--output-dir", str(tmp_path / "runs"), "--eval-rewards", *urls]
         rc, err = call("nft", argv, capsys)
     finally:
         server.shutdown()
         server.server_close()
     assert rc == 2 and err.count("\n") == 1 and message in err, err
-    assert events == (["GET /", "load"] if message == "the model loads" else ["GET /"])
+    assert events == (["GET /", "load"] if message == "the model loads" else ["GET /"] * len(urls))
     assert not (tmp_path / "runs").exists()
 
 
