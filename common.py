@@ -130,16 +130,6 @@ def family_of(transformer) -> Family:
     )
 
 
-def latent_side(resolution: Optional[int], native: int, factor: int, patch: int) -> int:
-    """Latent side for `resolution` pixels (None: `native` latents) with VAE factor `factor` and transformer patch
-    `patch`; the families' shared resolution check."""
-    if resolution is None:
-        return native
-    if resolution % (factor * patch) or resolution // factor < patch:
-        raise UserError(f"resolution {resolution} must be a multiple of {factor * patch}")
-    return resolution // factor
-
-
 def autocast(device: torch.device, enabled: bool):
     """bf16 autocast for forwards (trainable weights stay fp32); a no-op context when disabled."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
@@ -254,14 +244,6 @@ class PromptEncoder:
             torch.cuda.empty_cache()
 
 
-def capped_tokens(requested: Optional[int], default: int, maximum: int) -> int:
-    """A family's `max_sequence_length`: --max-sequence-length (None: the pipeline's `default`, capped at the
-    tokenizer's `maximum`); more than `maximum` is refused, not cut silently."""
-    if requested is not None and requested > maximum:
-        raise UserError(f"--max-sequence-length {requested}: this model's tokenizer takes at most {maximum} tokens")
-    return min(requested or default, maximum)
-
-
 def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stack per-prompt tensors, zero-padding dim 0 (text tokens) to the longest: a no-op for fixed-length families;
     for variable-length ones the padded tokens are masked out by the mask in `extra`, padded the same way."""
@@ -301,13 +283,6 @@ def decode(pipe, latents: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """Latents -> images in [0, 1], float32 [B, 3, H, W] (video: [B, F, 3, H, W]); decoded in chunks to bound memory."""
     out = [pipe.family.decode(pipe.pipe, z).float() for z in latents.split(chunk)]
     return (torch.cat(out) / 2 + 0.5).clamp(0, 1)
-
-
-def vae_decode(pipe, z: torch.Tensor) -> torch.Tensor:
-    """SD3's and FLUX.1's VAE un-normalisation and decode: z / scaling_factor + shift_factor."""
-    vae = pipe.vae
-    z = z / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
-    return vae.decode(z.to(vae.dtype), return_dict=False)[0]
 
 
 def euler_scheduler(pipe):

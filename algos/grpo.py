@@ -15,8 +15,11 @@ import tyro
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
+import export  # noqa: E402
+import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
@@ -99,15 +102,15 @@ class Args:
 
     # Model & sampler
     model: str = common.TINY_MODEL
-    """diffusers pipeline: a local folder or a hub id"""
+    """diffusers pipeline: a folder or a hub id"""
     reward: str = "shapes_clean"
     """reward name or weighted list "name:w,name:w" (rewards/)"""
     eval_rewards: tuple[str, ...] = ()
     """side metrics scored on the eval images only, eval/<name>"""
     train_prompts: str = common.TRAIN_PROMPTS
-    """prompt file (.txt, or .jsonl with a "prompt" field)"""
+    """training prompts (.txt, or .jsonl "prompt")"""
     test_prompts: str = common.TEST_PROMPTS
-    """held-out prompt file for evaluation"""
+    """held-out prompts for evaluation"""
     num_steps: int = 10
     """N, sampling steps"""
     sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
@@ -131,7 +134,7 @@ class Args:
 
     # Optimizer & batch
     learning_rate: Optional[float] = None
-    """AdamW learning rate; default 1e-4 with every weight trained, 5e-4 with a LoRA"""
+    """AdamW learning rate; default 1e-4 (every weight) or 5e-4 (LoRA)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -186,6 +189,8 @@ class Args:
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
     """(computed in runtime)"""
+    argv: tyro.conf.Suppress[tuple[str, ...]] = ()
+    """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
 
 
 # ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
@@ -202,7 +207,7 @@ def group_advantages(
 
     A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
     samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
-    plus STD_EPS, or 1 (`"none"`). A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    plus STD_EPS. A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
     flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
     """
     r = rewards.double().view(-1, group_size)
@@ -217,10 +222,8 @@ def group_advantages(
         scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
     elif std == "global":
         scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
-    elif std == "none":
-        scale = torch.ones_like(r[:, :1])
     else:
-        raise common.UserError(f"unknown advantage std mode {std!r}; choose group, global or none")
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group or global")
     flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
     adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
     if clip is not None:
@@ -407,11 +410,11 @@ def main(args: Args):
     # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
     prompt_gen = torch.Generator().manual_seed(args.seed)
     eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
-    start_epoch, step, images_seen = run.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-    logger = run.Logger(run_dir, args, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+    start_epoch, step, images_seen = checkpoints.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+    logger = logs.Logger(run_dir, args, ckpt, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
 
-    def save(epoch):  # rank 0: the checkpoint of an exact --resume, and the exported LoRA that users load
-        run.save_state(
+    def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
+        checkpoints.save_state(
             run_dir,
             args,
             pipe,
@@ -421,13 +424,13 @@ def main(args: Args):
             eval_ema,
             prompt_gen,
             logger,
-            __doc__,
             epoch=epoch,
             step=step,
             images_seen=images_seen,
         )
+        export.export_model(run_dir, pipe, args, __doc__, epoch, logger, eval_ema)
 
-    timer, stop = run.Timer(), run.GracefulStop()
+    timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
     stopped_at = None
     pbar = tqdm(
         range(start_epoch, args.num_epochs),
@@ -443,7 +446,7 @@ def main(args: Args):
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -578,7 +581,7 @@ def main(args: Args):
                         if k % per_step == 0:
                             distributed.all_reduce_grads(params)
                             grad_norm = distributed.clip_grad_norm(params, args.max_grad_norm)
-                            if run.gradient_is_finite(grad_norm, lambda: save(epoch)):
+                            if finite_grads(grad_norm, lambda: save(epoch)):
                                 optimizer.step()
                                 step += 1
                                 eval_ema.update(step)
@@ -597,7 +600,7 @@ def main(args: Args):
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
-            **{f"losses/{k}": run.nanmean(v) for k, v in stats.items()},
+            **{f"losses/{k}": logs.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
         metrics = {k: distributed.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
@@ -613,15 +616,16 @@ def main(args: Args):
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close
     if stopped_at is None:
-        run.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
+        logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
     if dist.is_main:
         done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
-        print(f"{done}  peak RSS {run.peak_rss_mb():.0f} MB  run: {run_dir}")
+        print(f"{done}  peak RSS {logs.peak_rss_mb():.0f} MB  run: {run_dir}")
         if args.push_to_hub:
-            run.push_to_hub(run.export_dir(run_dir, args), args.push_to_hub)
+            export.push_to_hub(export.export_dir(run_dir, args), args.push_to_hub)
     logger.close()
     distributed.cleanup_distributed()
+    stop.exit()  # exit code 143 after a SIGTERM, so that a scheduler does not take the run for finished
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def trainable_params(transformer, args) -> list:
     updates of lr x |grad| below 2^-8 of a weight; the forwards still run in bf16 under --mixed-precision). Returns the
     trainable parameters.
 
-    `args.full_finetune` None (`run.check_args` sets it where the default was left alone) is decided here and written
+    `args.full_finetune` None (the default: asked for neither way, no LoRA flag given) is decided here and written
     back: every weight of a transformer under FULL_FINETUNE_BELOW weights, a LoRA of a larger one."""
     if getattr(args, "full_finetune", False) is None:
         args.full_finetune = sum(p.numel() for p in transformer.parameters()) < FULL_FINETUNE_BELOW

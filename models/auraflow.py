@@ -12,7 +12,7 @@ no shift factor, as the pipeline.
 import torch
 
 import common
-from models import sd3
+from models import sd3, shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -23,7 +23,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 256, pipe.tokenizer.model_max_length)  # AuraFlowPipeline's default
+    return shared.capped_tokens(requested, 256, pipe.tokenizer.model_max_length)  # AuraFlowPipeline's default
 
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
@@ -45,7 +45,7 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
 def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
     # AuraFlowPipeline's default size is 1024 x 1024 (not the transformer's sample_size)
-    h, w = (common.latent_side(s or 1024, 0, factor, cfg.patch_size) for s in (height, width))
+    h, w = (shared.latent_side(s or 1024, 0, factor, cfg.patch_size) for s in (height, width))
     side = int(cfg.pos_embed_max_size**0.5)  # the position table is a side x side grid of patches
     if max(h, w) // cfg.patch_size > side:
         raise common.UserError(

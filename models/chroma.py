@@ -14,6 +14,7 @@ another model than sampling.
 import torch
 
 import common
+from models import shared
 from models.flux import image_ids, pack_latents, unpack_latents
 
 
@@ -25,7 +26,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # ChromaPipeline's default; T5's maximum
+    return shared.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # ChromaPipeline's default; T5's maximum
 
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
@@ -58,7 +59,7 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
 def latent_shape(pipe, height, width, num_frames):
     # packed into 2x2 patches (in_channels = 4 C); ChromaPipeline's default size is 128 latents x its VAE factor
     factor = pipe.vae_scale_factor
-    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    h, w = (shared.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
     return pipe.transformer.config.in_channels // 4, h, w
 
 
@@ -77,7 +78,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,

@@ -14,6 +14,7 @@ scheduler's linear time shift sigma' = mu / (mu + 1/sigma - 1); the transformer 
 import torch
 
 import common
+from models import shared
 
 VAE_FACTOR = 8  # CogView4-6B's VAE: the micro-conditioning sizes are in pixels
 SHIFT = dict(
@@ -76,7 +77,7 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
 
 def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
-    h, w = (common.latent_side(s or cfg.sample_size * factor, 0, factor, cfg.patch_size) for s in (height, width))
+    h, w = (shared.latent_side(s or cfg.sample_size * factor, 0, factor, cfg.patch_size) for s in (height, width))
     return cfg.in_channels, h, w
 
 
@@ -93,7 +94,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=mu,

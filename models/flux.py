@@ -11,6 +11,7 @@ ignores the scale, as FluxPipeline does. (FluxPipeline's two-pass `true_cfg_scal
 import torch
 
 import common
+from models import shared
 
 
 def pack_latents(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 512, pipe.tokenizer_2.model_max_length)  # FluxPipeline's default; T5's maximum
+    return shared.capped_tokens(requested, 512, pipe.tokenizer_2.model_max_length)  # FluxPipeline's default; T5's maximum
 
 
 def image_ids(h: int, w: int, device) -> torch.Tensor:
@@ -78,7 +79,7 @@ def card(pipe, call, settings):
 
 def latent_shape(pipe, height, width, num_frames):
     # latents are packed into 2x2 patches (in_channels = 4 C); FLUX's native size is its VAE's (1024)
-    h, w = (common.latent_side(s or pipe.vae.config.sample_size, 0, pipe.vae_scale_factor, 2) for s in (height, width))
+    h, w = (shared.latent_side(s or pipe.vae.config.sample_size, 0, pipe.vae_scale_factor, 2) for s in (height, width))
     return pipe.transformer.config.in_channels // 4, h, w
 
 
@@ -89,7 +90,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,

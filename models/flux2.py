@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -25,7 +26,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipelines' default
+    return shared.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipelines' default
 
 
 def ids(batch: int, h: int, w: int, text: int, device):
@@ -66,7 +67,7 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
 
 def latent_shape(pipe, height, width, num_frames):
     factor = pipe.vae_scale_factor
-    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    h, w = (shared.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
     return pipe.transformer.config.in_channels, h // 2, w // 2
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -31,7 +32,7 @@ def split_extra(transformer, extra):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 256, pipe.tokenizer.model_max_length)  # HunyuanVideoPipeline's default
+    return shared.capped_tokens(requested, 256, pipe.tokenizer.model_max_length)  # HunyuanVideoPipeline's default
 
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
@@ -52,7 +53,7 @@ def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
 def latent_shape(pipe, height, width, num_frames):
     spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
     p = pipe.transformer.config.patch_size
-    h, w = (common.latent_side(s, 0, spatial, p) for s in (height or 720, width or 1280))  # the pipeline's defaults
+    h, w = (shared.latent_side(s, 0, spatial, p) for s in (height or 720, width or 1280))  # the pipeline's defaults
     if num_frames % temporal != 1 % temporal:
         raise common.UserError(f"--num-frames {num_frames} must be {temporal} k + 1 (the VAE's temporal ratio {temporal})")
     return pipe.transformer.config.in_channels, (num_frames - 1) // temporal + 1, h, w

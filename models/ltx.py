@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import common
+from models import shared
 
 FRAME_RATE = 25  # LTXPipeline's default `frame_rate`, which only scales the rotary positions
 # transformer -> (temporal ratio / frame rate, spatial, spatial): the VAE's ratios, which the transformer's rotary
@@ -34,7 +35,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 128, pipe.tokenizer.model_max_length)  # LTXPipeline's default
+    return shared.capped_tokens(requested, 128, pipe.tokenizer.model_max_length)  # LTXPipeline's default
 
 
 def pack_latents(x: torch.Tensor, p: int, pt: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ def latent_shape(pipe, height, width, num_frames):
     spatial, temporal = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
     cfg = pipe.transformer.config
     ROPE_SCALE[pipe.transformer] = (temporal / FRAME_RATE, spatial, spatial)
-    h, w = (common.latent_side(s, 0, spatial, cfg.patch_size) for s in (height or 512, width or 704))  # the defaults
+    h, w = (shared.latent_side(s, 0, spatial, cfg.patch_size) for s in (height or 512, width or 704))  # the defaults
     if num_frames % temporal != 1 % temporal:
         raise common.UserError(f"--num-frames {num_frames} must be {temporal} k + 1 (the VAE's temporal ratio {temporal})")
     return cfg.in_channels, (num_frames - 1) // temporal + 1, h, w

@@ -10,6 +10,7 @@ shift (6 in the released scheduler).
 """
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -50,7 +51,7 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
 
 def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
-    h, w = (common.latent_side(s or pipe.default_image_size, 0, factor, cfg.patch_size) for s in (height, width))
+    h, w = (shared.latent_side(s or pipe.default_image_size, 0, factor, cfg.patch_size) for s in (height, width))
     return cfg.in_channels, h, w
 
 
@@ -61,7 +62,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,

@@ -14,6 +14,7 @@ import json
 import torch
 
 import common
+from models import shared
 from models.flux import pack_latents, unpack_latents
 
 
@@ -65,7 +66,7 @@ def card(pipe, call, settings):
 
 def latent_shape(pipe, height, width, num_frames):
     factor = pipe.vae_scale_factor
-    h, w = (common.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
+    h, w = (shared.latent_side(s or pipe.default_sample_size * factor, 0, factor, 2) for s in (height, width))
     return pipe.transformer.config.in_channels // 4, h, w
 
 

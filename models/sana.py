@@ -14,6 +14,7 @@ import inspect
 import torch
 
 import common
+from models import shared
 
 
 def instruction(pipe):
@@ -77,7 +78,7 @@ def card(pipe, call, settings):
 
 def latent_shape(pipe, height, width, num_frames):
     cfg, factor = pipe.transformer.config, pipe.vae_scale_factor
-    h, w = (common.latent_side(s or cfg.sample_size * factor, 0, factor, cfg.patch_size) for s in (height, width))
+    h, w = (shared.latent_side(s or cfg.sample_size * factor, 0, factor, cfg.patch_size) for s in (height, width))
     return cfg.in_channels, h, w
 
 
@@ -88,7 +89,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     scheduler=common.euler_scheduler,
     encode_negative=encode_negative,

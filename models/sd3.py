@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -48,7 +49,7 @@ def velocity(transformer, x, sigma, embeds, pooled, neg, guidance_scale):
 
 def latent_shape(pipe, height, width, num_frames):
     cfg = pipe.transformer.config
-    h, w = (common.latent_side(s, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size) for s in (height, width))
+    h, w = (shared.latent_side(s, cfg.sample_size, pipe.vae_scale_factor, cfg.patch_size) for s in (height, width))
     return cfg.in_channels, h, w
 
 
@@ -98,7 +99,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     load_kwargs=load_kwargs,
     card=card,

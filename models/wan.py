@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -32,7 +33,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # WanPipeline.__call__'s default
+    return shared.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # WanPipeline.__call__'s default
 
 
 def velocity(transformer, x, sigma, embeds, extra, neg, guidance_scale):
@@ -61,7 +62,7 @@ class Experts(torch.nn.Module):
     So the algorithm files need no change: `models.add_lora` gives both experts an adapter and returns one parameter
     list (named `transformer.*` and `transformer_2.*` in checkpoints), snapshots and the eval EMA cover both, and the
     reference model (`models.reference_model`) is both with their adapters off. `experts` names each for the export
-    (`run.export_lora`: one diffusers LoRA file per expert, the second loaded with `load_into_transformer_2=True`)."""
+    (`export.export_lora`: one diffusers LoRA file per expert, the second loaded with `load_into_transformer_2=True`)."""
 
     transformer_class = "WanTransformer3DModel"  # common.family_of: the family whose velocity calls this module
     _supports_gradient_checkpointing = True
@@ -148,7 +149,7 @@ def sampled_transformer(pipe, scheduler, guidance_scale_2: Optional[float] = Non
 
 def latent_shape(pipe, height, width, num_frames):
     factor, temporal, patch = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, pipe.transformer.config.patch_size
-    h, w = (common.latent_side(s, 0, factor, patch[1]) for s in (height or 480, width or 832))  # WanPipeline's defaults
+    h, w = (shared.latent_side(s, 0, factor, patch[1]) for s in (height or 480, width or 832))  # WanPipeline's defaults
     if num_frames % temporal != 1 % temporal:
         raise common.UserError(f"--num-frames {num_frames} must be {temporal} k + 1 (the VAE's temporal factor {temporal})")
     return pipe.transformer.config.in_channels, (num_frames - 1) // temporal + 1, h, w

@@ -11,6 +11,7 @@ CFG). The pipeline's optional CFG truncation and norm clamp (off by default) are
 import torch
 
 import common
+from models import shared
 
 
 def encode(pipe, prompts, device, max_sequence_length):
@@ -23,7 +24,7 @@ def encode(pipe, prompts, device, max_sequence_length):
 
 
 def max_sequence_length(pipe, requested):
-    return common.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipeline's default
+    return shared.capped_tokens(requested, 512, pipe.tokenizer.model_max_length)  # the pipeline's default
 
 
 def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
@@ -53,7 +54,7 @@ def card(pipe, call, settings):
 def latent_shape(pipe, height, width, num_frames):
     factor, patch = pipe.vae_scale_factor, pipe.transformer.config.all_patch_size[0]
     h, w = (
-        common.latent_side(s or 1024, 0, factor, patch) for s in (height, width)
+        shared.latent_side(s or 1024, 0, factor, patch) for s in (height, width)
     )  # the pipeline's default height and width
     return pipe.transformer.config.in_channels, h, w
 
@@ -65,7 +66,7 @@ FAMILY = common.Family(
     encode=encode,
     velocity=velocity,
     latent_shape=latent_shape,
-    decode=common.vae_decode,
+    decode=shared.vae_decode,
     max_sequence_length=max_sequence_length,
     tokens=lambda shape: shape[1] * shape[2] // 4,
     mu=common.linear_mu,

@@ -193,7 +193,7 @@ def run_in_process(module, argv) -> int:
     argv = [str(a) for a in argv]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        run.run_main(module.main, tyro.cli(module.Args, args=run.upgrade_argv(argv, module.Args)), argv=argv)
+        run.run_main(module.main, tyro.cli(module.Args, args=argv), argv=argv)
     except SystemExit as e:
         return e.code
     finally:

@@ -17,7 +17,9 @@ import torch
 import tyro
 from conftest import run_in_process, run_script
 
+import checkpoints
 import common
+import export
 import models
 import run
 from algos import awm, crd, dgpo, grpo, nft
@@ -162,7 +164,7 @@ def files(tmp_path):
 def call(algo: str, argv: list, capsys) -> tuple:
     """`python algos/<algo>.py *argv` in-process -> (exit code, stderr); fails if the script does not exit."""
     mod = ALGOS[algo]
-    args = tyro.cli(mod.Args, args=run.upgrade_argv(argv, mod.Args))
+    args = tyro.cli(mod.Args, args=argv)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run.run_main(mod.main, args, argv=argv)
@@ -270,7 +272,7 @@ def _edit_weights(edit):
         path = (run_dir / "checkpoints" / "last" / "weights.safetensors").resolve()
         tensors = load_file(str(path))
         edit(tensors)
-        save_file(tensors, str(path), metadata={"format": run.CHECKPOINT_FORMAT})
+        save_file(tensors, str(path), metadata={"format": checkpoints.CHECKPOINT_FORMAT})
 
     return damage
 
@@ -387,95 +389,9 @@ def test_resume_restores_the_saved_flags(run_copy, capsys):
     args = tyro.cli(nft.Args, args=argv)
     run.run_main(nft.main, args, argv=argv)
     assert args.num_prompts == 2 and args.num_steps == 4 and args.num_train_timesteps == 1 and args.eval_every == 5
-    assert run.load_checkpoint(run_copy)["epoch"] == 2
+    assert checkpoints.load_checkpoint(run_copy)["epoch"] == 2
     assert (run_copy / "args.json").read_bytes() == args_json
     assert len((run_copy / "resumes.jsonl").read_text().splitlines()) == 1
-
-
-def test_a_checkpoint_under_the_former_names_resumes(run_copy, capsys):
-    """A checkpoint written before the renames (nft's decay fields without their snapshot's prefix, its "old" snapshot
-    saved as "ema") resumes with its own settings and its snapshot."""
-
-    def former_names(state):
-        for name in ("decay_flat_steps", "decay_ramp", "decay_max"):
-            state["args"][name] = state["args"].pop(f"old_{name}")
-        state["args"]["decay_ramp"] = 0.25  # not the default: only the checkpoint can set it
-        layout = state["tensor_layout"]["snapshots"]
-        layout["ema"] = layout.pop("old")
-
-    _edit_state(former_names)(run_copy)
-    argv = ["--resume", str(run_copy), "--num-epochs", "2"]
-    args = tyro.cli(nft.Args, args=argv)
-    run.run_main(nft.main, args, argv=argv)
-    assert args.old_decay_ramp == 0.25 and args.num_prompts == 2
-    state = run.load_checkpoint(run_copy)
-    assert state["epoch"] == 2 and set(state["snapshots"]) == {"old"} and state["args"]["old_decay_ramp"] == 0.25
-
-
-# (script, a former flag as typed, the field it sets, the value) -- every entry of run.RENAMED_ARGS, and CRD's decay string
-FORMER_FLAGS = [
-    ("nft", "--decay-flat-steps 2", "old_decay_flat_steps", 2),
-    ("nft", "--decay-ramp=0.3", "old_decay_ramp", 0.3),
-    ("nft", "--decay-max 0.4", "old_decay_max", 0.4),
-    ("awm", "--ema-decay 0.2", "ema_decay_max", 0.2),
-    ("dgpo", "--ema-ref-max-decay 0.3", "ema_ref_decay_max", 0.3),
-    ("dgpo", "--ema-ref-ramp-rate 0.1", "ema_ref_decay_ramp", 0.1),
-    ("dgpo", "--switch-ema-ref 5", "off_policy_after", 5),
-    ("crd", "--no-adaptive-logp", "adaptive_weighting", False),
-    ("crd", "--old-model-decay 75-0.25-0.005-0.9", "old_decay_flat_steps", 75),
-    ("crd", "--sampling-model-decay=3-0.1-0.2-0.7", "sampling_decay_ramp", 0.2),
-    ("crd", "--adaptive-logp", "adaptive_weighting", True),
-]
-
-
-def test_every_rename_has_a_former_flag_case():
-    cases = {
-        (algo, flags.split()[0].split("=")[0].removeprefix("--no-").removeprefix("--")) for algo, flags, *_ in FORMER_FLAGS
-    }
-    renames = {(algo, old.replace("_", "-")) for algo, names in run.RENAMED_ARGS.items() for old in names}
-    assert cases >= renames | {(algo, f"{s}-model-decay") for algo, snaps in run.DECAY_STRINGS.items() for s in snaps}
-
-
-def test_a_former_name_is_read_only_by_the_script_that_had_it(capsys):
-    """nft never had --adaptive-logp (crd's former name): tyro refuses it there as any unknown flag."""
-    assert run.upgrade_argv(["--adaptive-logp", "--decay-ramp", "0.1"], crd.Args) == [
-        "--adaptive-weighting",
-        "--decay-ramp",
-        "0.1",
-    ]
-    assert run.upgrade_argv(["--adaptive-logp"], nft.Args) == ["--adaptive-logp"]
-
-
-@pytest.mark.parametrize("algo, flags, field, value", FORMER_FLAGS, ids=[f"{a}:{f}" for a, f, *_ in FORMER_FLAGS])
-def test_a_former_flag_name_works_with_one_deprecation_line(algo, flags, field, value, capsys):
-    args = tyro.cli(ALGOS[algo].Args, args=run.upgrade_argv(flags.split(), ALGOS[algo].Args))
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"warning: {flags.split()[0].split('=')[0]} is deprecated, use --"), line
-    assert getattr(args, field) == value and type(getattr(args, field)) is type(value)
-
-
-@pytest.mark.parametrize(
-    "algo, flags, expected",
-    [
-        ("crd", "--adaptive-logp --no-adaptive-weighting", "--adaptive-logp and --adaptive-weighting name the same setting"),
-        ("dgpo", "--off-policy-after 3 --switch-ema-ref=5", "--switch-ema-ref and --off-policy-after name the same"),
-        ("crd", "--old-model-decay medium", "--old-model-decay: old_model_decay 'medium' is not flat_steps-start-ramp-max"),
-    ],
-)
-def test_a_former_flag_given_wrongly_is_one_line_exit_2(algo, flags, expected, capsys):
-    with pytest.raises(SystemExit) as e:
-        run.upgrade_argv(flags.split(), ALGOS[algo].Args, warn=False)
-    (line,) = capsys.readouterr().err.splitlines()
-    assert e.value.code == 2 and line.startswith("error: ") and expected in line, line
-
-
-def test_the_scripts_read_former_flag_names(files):
-    """`python algos/dgpo.py` itself upgrades the command line: the former name is read (one warning), the run then
-    stops at the next bad flag."""
-    out = run_script(["algos/dgpo.py", "--switch-ema-ref", "5", "--eval-every", "0"], check=False, timeout=300)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    lines = [x for x in out.stderr.splitlines() if x.strip()]
-    assert lines == ["warning: --switch-ema-ref is deprecated, use --off-policy-after", "error: --eval-every 0: must be > 0"]
 
 
 def test_fresh_run_names_are_unique(files):
@@ -584,8 +500,8 @@ def test_a_checkpoint_never_sets_where_the_model_or_data_go(run_copy, capsys, mo
     assert args.wandb_project_name == nft.Args.wandb_project_name
     for flag in ("--push-to-hub attacker/stolen-lora", "--track;", "--wandb-project-name theirs", "--wandb-entity attacker"):
         assert f"note: the run had {flag}" in err, err
-    assert run.load_checkpoint(run_copy)["epoch"] == 2
-    assert not list(run_copy.glob(".lora.*")) and (run_copy / "lora" / run.LORA_WEIGHTS).is_file()
+    assert checkpoints.load_checkpoint(run_copy)["epoch"] == 2
+    assert not list(run_copy.glob(".lora.*")) and (run_copy / "lora" / export.LORA_WEIGHTS).is_file()
 
 
 def test_a_reward_that_raises_names_itself_and_the_epoch_and_the_run_resumes(files, capsys, monkeypatch):
@@ -613,9 +529,9 @@ def test_a_reward_that_raises_names_itself_and_the_epoch_and_the_run_resumes(fil
     (run_dir,) = (files / "runs").iterdir()
     line = assert_error_is_last_line(rc, err, "reward 'flaky' failed (RuntimeError: CUDA error: an illegal memory access was")
     assert line.endswith(f"in epoch 2; --resume {run_dir} goes on from its last checkpoint (epoch_000001)"), line
-    assert run.load_checkpoint(run_dir)["epoch"] == 1
+    assert checkpoints.load_checkpoint(run_dir)["epoch"] == 1
     assert run_in_process(nft, ["--resume", run_dir]) == 0  # training_calls is past 3: the reward works now
-    assert run.load_checkpoint(run_dir)["epoch"] == 3
+    assert checkpoints.load_checkpoint(run_dir)["epoch"] == 3
 
 
 def test_the_run_folder_removed_while_the_run_goes_is_one_line(files, capsys, monkeypatch):
@@ -663,7 +579,7 @@ def test_sigterm_saves_then_exits_143(files):
         kill_group(proc)
     assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
     (run_dir,) = (files / "runs").iterdir()
-    epoch = run.load_checkpoint(run_dir)["epoch"]
+    epoch = checkpoints.load_checkpoint(run_dir)["epoch"]
     assert 1 <= epoch < 50 and f"stopped before epoch {epoch}; continue with --resume {run_dir}" in out
 
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import kernel_environ, ode_sample, run_script
 
+import checkpoints
 import common
 import distributed
+import logs
 import models
 import run
 
@@ -268,15 +270,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     path = tmp_path / "ck" / "last"
     snapshot = [p.detach().clone().to(torch.bfloat16) for p in named.values()]
     state = {
-        "params": run.trainable_state(named),
+        "params": checkpoints.trainable_state(named),
         "opt": opt.state_dict(),
         "step": 3,
         "epoch": 3,
-        "rng": run.rng_state(),
+        "rng": checkpoints.rng_state(),
         "snapshots": {"ema": snapshot, "none": []},
         "eval_ema": snapshot,
     }
-    run.save_checkpoint(path, state)
+    checkpoints.save_checkpoint(path, state)
     expected_draws = (torch.rand(3), np.random.rand(3), __import__("random").random())
     ref_weights = {n: p.detach().clone() for n, p in named.items()}
     ref_opt = copy.deepcopy(opt.state_dict())  # state_dict() holds live tensors
@@ -285,10 +287,10 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         opt.zero_grad()
         model(torch.randn(5, 4)).sum().backward()
         opt.step()
-    state = run.load_checkpoint(path)
-    run.load_trainable_state(named, state["params"])
+    state = checkpoints.load_checkpoint(path)
+    checkpoints.load_trainable_state(named, state["params"])
     opt.load_state_dict(state["opt"])
-    run.set_rng_state(state["rng"])
+    checkpoints.set_rng_state(state["rng"])
     for n, p in named.items():
         assert torch.equal(p, ref_weights[n])
     for k, s in opt.state_dict()["state"].items():
@@ -417,48 +419,49 @@ def test_lora_starts_at_base_and_reference_disables_it(pipe):
 def test_checkpoints_keep_the_last_n(tmp_path):
     path = tmp_path / "checkpoints" / "last.pt"
     for epoch in range(1, 6):
-        run.save_checkpoint(path, {"epoch": epoch, "w": torch.full((3,), float(epoch))}, keep=2)
+        checkpoints.save_checkpoint(path, {"epoch": epoch, "w": torch.full((3,), float(epoch))}, keep=2)
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000004", "epoch_000005", "last"]
-    assert run.load_checkpoint(path.parent / "last")["epoch"] == 5
-    assert torch.equal(run.load_checkpoint(path.parent / "epoch_000004")["w"], torch.full((3,), 4.0))
-    run.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
+    assert checkpoints.load_checkpoint(path.parent / "last")["epoch"] == 5
+    assert torch.equal(checkpoints.load_checkpoint(path.parent / "epoch_000004")["w"], torch.full((3,), 4.0))
+    checkpoints.save_checkpoint(path, {"epoch": 5, "w": torch.zeros(3)}, keep=0)  # the same epoch again replaces it
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000005", "last"]
-    assert torch.equal(run.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
+    assert torch.equal(checkpoints.load_checkpoint(path.parent / "last")["w"], torch.zeros(3))
     (tmp_path / "args.json").write_text("{}")  # tmp_path is now a run folder
-    run.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
+    checkpoints.save_checkpoint(path, {"epoch": 6, "w": torch.ones(3)}, keep=3)
     (path.parent / "last").unlink()  # no `last` (a filesystem without symlinks): the newest epoch folder
-    assert run.load_checkpoint(tmp_path)["epoch"] == 6
+    assert checkpoints.load_checkpoint(tmp_path)["epoch"] == 6
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, "truncated", "pickle"])
 def test_corrupt_checkpoint_is_one_line(tmp_path, content):
     path = tmp_path / "checkpoints" / "last"
-    run.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3), "opt": {"lr": 0.1}})
+    checkpoints.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3), "opt": {"lr": 0.1}})
     state_file = path / "state.pt"
     if content == "truncated":
         state_file.write_bytes(state_file.read_bytes()[:100])
     elif content == "pickle":  # code that unpickling would run: refused by weights_only
-        torch.save({"format": run.CHECKPOINT_FORMAT, "x": run.Timer()}, state_file)
+        torch.save({"format": checkpoints.CHECKPOINT_FORMAT, "x": logs.Timer()}, state_file)
     else:
         state_file.write_bytes(content)
     with pytest.raises(common.UserError, match="cannot be read") as e:
-        run.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
     assert "\n" not in str(e.value)
-    run.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3)})
+    checkpoints.save_checkpoint(path, {"epoch": 1, "w": torch.ones(3)})
     (path.resolve() / "weights.safetensors").write_bytes(b"\0" * 10)
     with pytest.raises(common.UserError, match="weights.safetensors cannot be read"):
-        run.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
 
 
 FILL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, {repo!r})
+import checkpoints
 import common
 import run
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing the process
-run.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
+checkpoints.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a file-size limit: what a full disk looks like to a write
-run.run_main(lambda args: run.save_checkpoint({path!r}, {{"epoch": 2, "w": torch.ones(1_000_000)}}), None, argv=[])
+run.run_main(lambda args: checkpoints.save_checkpoint({path!r}, {{"epoch": 2, "w": torch.ones(1_000_000)}}), None, argv=[])
 """
 
 
@@ -473,18 +476,17 @@ def test_checkpoint_write_failure_is_one_line_and_leaves_no_temp_files(tmp_path)
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("error: could not write the checkpoint") and "epoch_000002" in line
     assert sorted(p.name for p in path.parent.iterdir()) == ["epoch_000001", "last"]  # no temp files, the old one intact
-    assert run.load_checkpoint(path)["epoch"] == 1
+    assert checkpoints.load_checkpoint(path)["epoch"] == 1
 
 
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import common
-import run
+import checkpoints
 # 16 MB: a write takes long enough to be killed in the middle
 big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
 for epoch in range(1, 10**6):
-    run.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
+    checkpoints.save_checkpoint({path!r}, {{"epoch": epoch, "w": big + epoch, "meta": {{"epoch": epoch}}}}, keep=2)
 """
 
 
@@ -516,7 +518,7 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path)
         finally:
             kill_group(proc)
         for ckpt in [path, *path.parent.glob("epoch_*")]:  # every checkpoint is whole and from one single save
-            state = run.load_checkpoint(ckpt)
+            state = checkpoints.load_checkpoint(ckpt)
             big = state["w"] - state["epoch"] if big is None else big
             torch.testing.assert_close(state["w"] - state["epoch"], big)
             assert state["meta"]["epoch"] == state["epoch"]
@@ -624,28 +626,6 @@ def test_sde_rollout_of_a_sample_does_not_depend_on_its_batch(pipe):
     )
     torch.testing.assert_close(full.latents[2:], last.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full.log_probs[2:], last.log_probs, rtol=1e-5, atol=1e-5)
-
-
-def test_old_checkpoint_args_are_read_under_todays_names():
-    """Checkpoints written before the decay schedules became `<snapshot>_decay_*` fields resume with their settings."""
-    nft = run.upgrade_saved_args({"decay_flat_steps": 2, "decay_ramp": 0.3, "decay_max": 0.4, "seed": 3}, "nft")
-    assert nft == {"old_decay_flat_steps": 2, "old_decay_ramp": 0.3, "old_decay_max": 0.4, "seed": 3}
-    assert run.upgrade_saved_args({"ema_decay": 0.2, "ema_decay_ramp": 0.01}, "awm") == {
-        "ema_decay_max": 0.2,
-        "ema_decay_ramp": 0.01,
-    }
-    dgpo = run.upgrade_saved_args({"ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.1, "switch_ema_ref": 5}, "dgpo")
-    assert dgpo == {"ema_ref_decay_max": 0.3, "ema_ref_decay_ramp": 0.1, "off_policy_after": 5}
-    assert run.upgrade_saved_args({"adaptive_logp": False}, "crd") == {"adaptive_weighting": False}
-    assert run.upgrade_saved_args({"decay_ramp": 0.3}, "crd") == {"decay_ramp": 0.3}  # nft's former name only
-    crd = run.upgrade_saved_args(
-        {"old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999"}, "crd"
-    )
-    assert [crd[f"old_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.25, 0, 0.005, 0.999]
-    assert [crd[f"sampling_decay_{k}"] for k in ("start", "flat_steps", "ramp", "max")] == [0.0, 75, 0.0075, 0.999]
-    assert isinstance(crd["sampling_decay_flat_steps"], int) and "old_model_decay" not in crd
-    with pytest.raises(common.UserError, match="is not flat_steps-start-ramp-max"):
-        run.upgrade_saved_args({"old_model_decay": "medium"}, "crd")
 
 
 def test_cond_slices_every_field_and_carries_the_negative(pipe):
@@ -865,17 +845,18 @@ def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler
 
 def test_a_non_finite_gradient_skips_the_update_and_five_in_a_row_stop_the_run(capsys):
     saved = []
-    run._RUN.clear()
-    assert run.gradient_is_finite(torch.tensor(3.0))
+    finite_grads = run.FiniteGradients()  # the loop owns its count: a new run (or a resume) starts from 0
+    assert finite_grads(torch.tensor(3.0))
     for bad in range(1, run.MAX_BAD_STEPS):
-        assert not run.gradient_is_finite(torch.tensor(float("nan")), lambda: saved.append(1))
+        assert not finite_grads(torch.tensor(float("nan")), lambda: saved.append(1))
         assert f"update skipped ({bad} in a row)" in "".join(capsys.readouterr())
-    assert run.gradient_is_finite(torch.tensor(0.5)) and run._RUN["bad_steps"] == 0  # a finite one resets the count
+    assert finite_grads(torch.tensor(0.5)) and finite_grads.bad_steps == 0  # a finite one resets the count
     for _ in range(run.MAX_BAD_STEPS - 1):
-        run.gradient_is_finite(torch.tensor(float("inf")), lambda: saved.append(1))
+        finite_grads(torch.tensor(float("inf")), lambda: saved.append(1))
     assert not saved
+    assert run.FiniteGradients()(torch.tensor(float("inf"))) is False  # another loop's guard counts on its own
     with pytest.raises(common.UserError, match="5 non-finite updates in a row"):
-        run.gradient_is_finite(torch.tensor(float("inf")), lambda: saved.append(1))
+        finite_grads(torch.tensor(float("inf")), lambda: saved.append(1))
     assert saved == [1]  # the checkpoint is written before the run stops
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import common
 import distributed
+import export
 import models
 import run
 from models import flux
@@ -63,11 +64,11 @@ def trained(tmp_path_factory):
         wandb_project_name="test",
         push_to_hub="someone/tiny-lora",
     )
-    pipes, uploads, export = [], [], run.export_lora
+    pipes, uploads, real_export = [], [], export.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
         pipes.append(pipe)
-        return export(out_dir, pipe, *a, **k)
+        return real_export(out_dir, pipe, *a, **k)
 
     def fake_upload(**kwargs):  # what would be sent: the folder's files at the time of the call
         uploads.append({**kwargs, "files": sorted(p.name for p in Path(kwargs["folder_path"]).iterdir())})
@@ -78,7 +79,7 @@ def trained(tmp_path_factory):
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_DIR", str(tmp))
         mp.setenv("WANDB_SILENT", "true")
-        mp.setattr(run, "export_lora", recording_export)
+        mp.setattr(export, "export_lora", recording_export)
         mp.setattr(huggingface_hub, "create_repo", lambda *a, **k: None)
         mp.setattr(huggingface_hub, "upload_folder", fake_upload)
         try:
@@ -117,7 +118,7 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
     loaded = stock_sd3(trained.lora)(**call, latents=noise.clone()).images
     base = stock_sd3()(**call, latents=noise.clone()).images
     (tmp_path / "no-metadata").mkdir()
-    save_file(load_file(trained.lora / run.LORA_WEIGHTS), tmp_path / "no-metadata" / run.LORA_WEIGHTS)
+    save_file(load_file(trained.lora / export.LORA_WEIGHTS), tmp_path / "no-metadata" / export.LORA_WEIGHTS)
     halved = stock_sd3(tmp_path / "no-metadata")(**call, latents=noise.clone()).images
     # 1e-4: our encoder encodes each prompt alone (history-independent embeddings, exact resume), the pipeline all four
     # together, and CLIP's output differs between those in the last float bits (measured 1.2e-5 after 10 steps)
@@ -127,7 +128,7 @@ def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_p
 
 
 def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(trained):
-    with safe_open(str(trained.lora / run.LORA_WEIGHTS), "pt") as f:
+    with safe_open(str(trained.lora / export.LORA_WEIGHTS), "pt") as f:
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
         keys = list(f.keys())
     # alpha / r = 2: without it diffusers would take alpha = r (metadata keys are prefixed by the pipeline component)
@@ -137,9 +138,11 @@ def test_export_writes_the_adapter_metadata_or_diffusers_would_halve_the_lora(tr
 
 
 def test_model_card_and_folder(trained):
-    assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", run.LORA_WEIGHTS, "samples.png"]
+    assert sorted(p.name for p in trained.lora.iterdir()) == ["README.md", export.LORA_WEIGHTS, "samples.png"]
     assert not list(trained.run_dir.glob(".lora*"))  # no temp or old folder left by the atomic swap
-    assert (trained.lora / run.LORA_WEIGHTS).stat().st_mode & 0o044 == (trained.run_dir / "args.json").stat().st_mode & 0o044
+    assert (trained.lora / export.LORA_WEIGHTS).stat().st_mode & 0o044 == (
+        trained.run_dir / "args.json"
+    ).stat().st_mode & 0o044
     assert trained.exports == 1  # save_every 10 > 1 epoch: only the final save
     card = (trained.lora / "README.md").read_text()
     config = json.loads((trained.run_dir / "args.json").read_text())
@@ -167,7 +170,7 @@ def test_model_card_snippet_runs(trained, tmp_path, monkeypatch):
 def test_push_to_hub_uploads_the_exported_folder(trained):
     (upload,) = trained.uploads
     assert upload["repo_id"] == "someone/tiny-lora" and Path(upload["folder_path"]) == trained.lora
-    assert upload["files"] == ["README.md", run.LORA_WEIGHTS, "samples.png"]
+    assert upload["files"] == ["README.md", export.LORA_WEIGHTS, "samples.png"]
 
 
 def test_bad_integration_flags_stop_before_main_with_one_line(monkeypatch, capsys):
@@ -194,9 +197,9 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
     args = SimpleNamespace(model="m", reward="shapes", run_name="r", lora_targets=("to_q",), lora_rank=16, lora_alpha=32.0)
     out = tmp_path / "lora"
     doc = "Algo, arXiv 1\n\nmore"
-    run.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
+    export.export_lora(out, trained.pipe, transformer, args, doc, 3, weights=ema, weights_name="the eval EMA")
     (out / "stale.txt").write_text("from an older export")
-    run.export_lora(
+    export.export_lora(
         out,
         trained.pipe,
         transformer,
@@ -207,9 +210,9 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
         weights_name="the eval EMA",
         samples=torch.zeros(3, 4, 6),
     )
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", run.LORA_WEIGHTS, "samples.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", export.LORA_WEIGHTS, "samples.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]
-    with safe_open(str(out / run.LORA_WEIGHTS), "pt") as f:
+    with safe_open(str(out / export.LORA_WEIGHTS), "pt") as f:
         assert all(torch.equal(f.get_tensor(k), torch.full_like(f.get_tensor(k), 0.5)) for k in f.keys())
     for p, v in zip(params, live):
         assert torch.equal(p, v)
@@ -241,7 +244,7 @@ def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline
         lora_rank=4,
         lora_alpha=8.0,
     )
-    out = run.export_lora(tmp_path / "lora", pipe, pipe.transformer, args, "FLUX test", 0)
+    out = export.export_lora(tmp_path / "lora", pipe, pipe.transformer, args, "FLUX test", 0)
     assert "from diffusers import FluxPipeline" in (out / "README.md").read_text()
 
     steps, guidance = 3, 3.5
@@ -342,7 +345,7 @@ def test_model_card_for_a_hub_model_lists_every_eval_metric(trained):
         lora_alpha=64.0,
     )
     evals = {"eval/pickscore": (0.91, 640), "eval/shapes_exact": (0.25, 640), "eval/ocr/colours": (0.5, 640)}
-    card = run.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
+    card = export.model_card(trained.pipe, args, "CRD, arXiv 2603.14128", 7, evals, "the eval EMA (decay 0.9)", False)
     assert card.startswith("---\nlibrary_name: diffusers\n") and "base_model: stabilityai/stable-diffusion-3.5-medium" in card
     for k, (v, _) in evals.items():
         assert f"| {k} | {v:.4f} |" in card
@@ -360,7 +363,7 @@ def test_a_failed_push_is_one_warning_line(trained, monkeypatch, capsys):
         raise OSError("no network\nsecond line")
 
     monkeypatch.setattr(huggingface_hub, "create_repo", offline)
-    assert run.push_to_hub(trained.lora, "someone/tiny-lora") is None
+    assert export.push_to_hub(trained.lora, "someone/tiny-lora") is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --push-to-hub someone/tiny-lora failed (no network)")
     assert f"hf upload someone/tiny-lora {trained.lora} ." in err[0]

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 from test_algos import assert_same_state, script_argv, write_prompts
 
 import common
-from run import LORA_WEIGHTS, load_checkpoint
+from checkpoints import load_checkpoint
+from export import LORA_WEIGHTS
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 

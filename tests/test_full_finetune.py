@@ -12,7 +12,9 @@ from conftest import ode_sample, run_in_process, run_script
 from safetensors.torch import load_file
 from test_algos import FLAGS, assert_same_state, script_argv, write_prompts
 
+import checkpoints
 import common
+import export
 import models
 import run
 from algos import crd
@@ -51,7 +53,7 @@ def tiny(dtype=torch.float32):
 def test_every_algorithm_trains_every_transformer_weight(algo, full_run):
     """The checkpoint holds every transformer parameter under its own name (no LoRA), and weights no LoRA targets (the
     feed-forward layers, the output projection) moved away from the base."""
-    ckpt = run.load_checkpoint(full_run(algo))
+    ckpt = checkpoints.load_checkpoint(full_run(algo))
     base = load_file(str(BASE_WEIGHTS))
     names = {n for n, _ in tiny().transformer.named_parameters()}
     assert set(ckpt["params"]) == names and not any("lora_" in n for n in names)
@@ -137,7 +139,7 @@ def test_resume_is_bit_exact(full_run, prompt_dir, tmp_path):
     run_script(script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "1"))
     (b_dir,) = tmp_path.iterdir()
     run_script(["algos/crd.py", "--resume", b_dir, "--num-epochs", "2"])
-    a, b = run.load_checkpoint(full_run("crd")), run.load_checkpoint(b_dir)
+    a, b = checkpoints.load_checkpoint(full_run("crd")), checkpoints.load_checkpoint(b_dir)
     assert set(a["snapshots"]) == {"old", "sampling"} and len(a["snapshots"]["old"]) == len(a["params"])
     assert_same_state(a, b, "crd")
 
@@ -171,7 +173,7 @@ def test_exported_transformer_in_the_stock_pipeline_equals_our_sampler(full_run,
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     run_dir = full_run("crd")
-    ckpt = run.load_checkpoint(run_dir)
+    ckpt = checkpoints.load_checkpoint(run_dir)
     exported = load_file(str(run_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(exported[n], v) for n, v in ckpt["params"].items())  # the final weights, bit for bit
     config = json.loads((run_dir / "transformer" / "config.json").read_text())
@@ -179,7 +181,7 @@ def test_exported_transformer_in_the_stock_pipeline_equals_our_sampler(full_run,
 
     ours = tiny()
     models.trainable_params(ours.transformer, crd.Args(full_finetune=True))
-    run.load_trainable_state(dict(ours.transformer.named_parameters()), ckpt["params"])
+    checkpoints.load_trainable_state(dict(ours.transformer.named_parameters()), ckpt["params"])
     steps, noise = 4, torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         mine = common.decode(ours, ode_sample(ours, PROMPTS, noise, steps, 1.0)[0].latents)
@@ -217,7 +219,7 @@ def test_two_ranks_match_one_process(full_run, prompt_dir, tmp_path):
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     run_script([*argv, *script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "2")])
     (two_dir,) = tmp_path.iterdir()
-    assert_same_state(run.load_checkpoint(full_run("crd")), run.load_checkpoint(two_dir), "crd")
+    assert_same_state(checkpoints.load_checkpoint(full_run("crd")), checkpoints.load_checkpoint(two_dir), "crd")
 
 
 def test_export_of_other_weights_leaves_the_live_ones(tmp_path):
@@ -228,7 +230,7 @@ def test_export_of_other_weights_leaves_the_live_ones(tmp_path):
     params = models.trainable_params(pipe.transformer, args)
     live = [p.detach().clone() for p in params]
     other = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
-    out = run.export_lora(
+    out = export.export_lora(
         tmp_path / "transformer", pipe, pipe.transformer, args, crd.__doc__, 3, weights=other, weights_name="X"
     )
     saved = load_file(str(out / "diffusion_pytorch_model.safetensors"))
@@ -256,11 +258,8 @@ def decided(args_class, argv, transformer, monkeypatch=None, below=None):
     import tyro
 
     args = tyro.cli(args_class, args=argv)
-    run._CLI["argv"] = argv
-    try:
-        run.check_args(args)
-    finally:
-        run._CLI["argv"] = None
+    args.argv = tuple(argv)  # as `run.run_main` fills it
+    run.check_args(args)
     if below is not None:
         monkeypatch.setattr(models, "FULL_FINETUNE_BELOW", below)
     params = models.trainable_params(transformer, args)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import export
 import models
 import run
 from models import flux
@@ -42,7 +43,7 @@ def family_dirs(tmp_path_factory, random_pipeline_dir, flux_pipeline_dirs):
 # peft's LoRA layer (ours, fp32 master weights) against diffusers' loaded one: the same weights, summed in another order
 LORA_TOL = 1e-5
 # family -> (builder, pixels, max abs tolerance on images in [0, 1]); the pipeline is called as the exported model card
-# says (`run.card_call`: each family's guidance keyword, scheduler and grid)
+# says (`export.card_call`: each family's guidance keyword, scheduler and grid)
 FAMILIES = {
     # one batched 2B call, as the pipeline; the pipeline's default grid is not ours: the card passes our sigmas: measured 0.0
     "sd3": ("sd3", 64, 1e-5),
@@ -113,7 +114,7 @@ def load(family, family_dirs, setting="cfg"):
 
 
 def card_settings(pipe, steps, guidance_scale, negative_prompt, max_sequence_length):
-    """`run.card_call`'s settings for the size `pipe` was loaded at."""
+    """`export.card_call`'s settings for the size `pipe` was loaded at."""
     size = common.decode(pipe, torch.zeros(1, *pipe.latent_shape)).shape[-2:]  # pixels, whatever the latent layout
     return dict(
         num_steps=steps,
@@ -128,7 +129,7 @@ def card_settings(pipe, steps, guidance_scale, negative_prompt, max_sequence_len
 
 def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) -> float:
     """Max abs difference between our ODE sampler's images and `stock.__call__`'s, called as the model card says
-    (`run.card_call`), with the same noise."""
+    (`export.card_call`), with the same noise."""
     guidance, negative = SETTINGS[setting]["guidance_scale"], SETTINGS[setting].get("negative_prompt", "")
     noise = torch.randn(len(PROMPTS), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe, negative_prompt=negative)
@@ -141,7 +142,7 @@ def compare_with_pipeline(pipe, stock, family, setting="cfg", steps: int = 4) ->
         noise=noise,
     )
     ours = common.decode(pipe, out.latents)
-    setup, call, output = run.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
+    setup, call, output = export.card_call(pipe, card_settings(pipe, steps, guidance, negative, enc.max_sequence_length))
     scope = {"pipe": stock, "np": np, "torch": torch, "prompt": list(PROMPTS)}  # ZImagePipeline rewrites its lists: copies
     exec("\n".join(setup), scope)
     kwargs = {**{k: eval(v, scope) for k, v in call.items()}, "output_type": "pt"}  # the card's (LTX: "np") replaced
@@ -196,15 +197,15 @@ def train(algo: str, family: str, family_dirs, tmp_path, **overrides):
         full_finetune=False,  # the tiny families stand in for the real ones, which train a LoRA by default
     )
     args = module.Args(**{**fields, **per_algo, **overrides})
-    pipes, export = [], run.export_lora
+    pipes, real_export = [], export.export_lora
 
     def recording_export(out_dir, pipe, *a, **k):
         pipes.append(pipe)
-        return export(out_dir, pipe, *a, **k)
+        return real_export(out_dir, pipe, *a, **k)
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the run installs its own
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run, "export_lora", recording_export)
+        mp.setattr(export, "export_lora", recording_export)
         try:
             run.run_main(module.main, args)
         finally:
@@ -639,7 +640,7 @@ def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_e
     sample; the card's snippet runs. Then 1 epoch + --resume for a second equals 2 epochs straight, bit for bit."""
     from test_algos import assert_same_state
 
-    from run import load_checkpoint
+    from checkpoints import load_checkpoint
 
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
@@ -650,8 +651,8 @@ def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_e
     for expert in ("transformer", "transformer_2"):
         lora_b = [v for k, v in weights.items() if k.startswith(f"params/{expert}.blocks") and "lora_B" in k]
         assert lora_b and any(v.abs().max() > 0 for v in lora_b), expert  # B starts at 0: non-zero is a trained update
-    files = run.lora_files(trained.transformer)
-    assert files == {"transformer": run.LORA_WEIGHTS, "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}
+    files = export.lora_files(trained.transformer)
+    assert files == {"transformer": export.LORA_WEIGHTS, "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}
     assert sorted(p.name for p in (run_dir / "lora").iterdir()) == sorted(["README.md", "samples.png", *files.values()])
     stock = type(trained.pipe).from_pretrained(wan22_dirs["a14b"])
     stock.set_progress_bar_config(disable=True)

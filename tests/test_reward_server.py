@@ -19,7 +19,7 @@ from conftest import kill_group, run_script, start_script
 from test_algos import FLAGS, _wait_for_checkpoint, assert_same_state, script_argv, write_prompts
 from test_ocr import render as render_word
 
-import run
+import checkpoints
 from common import UserError
 from rewards import REWARDS, load_rewards, parse_reward_spec, remote
 
@@ -334,7 +334,7 @@ def test_run_through_server_equals_local(algo, servers, tmp_path):
     local, served = run_pair(
         algo, prompts, tmp_path, "jpeg_compressibility", f"{servers()}/jpeg_compressibility", "--num-epochs", 2
     )
-    a, b = run.load_checkpoint(local), run.load_checkpoint(served)
+    a, b = checkpoints.load_checkpoint(local), checkpoints.load_checkpoint(served)
     assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did train
     assert_same_state(a, b, algo)
     logged = scalars(local)
@@ -352,7 +352,7 @@ def test_two_servers_combine_like_local_rewards(aggregation, servers, tmp_path):
     ocr, jpeg = servers("ocr"), servers("jpeg_compressibility")
     flags = ["--model", "assets/tiny-text", "--num-epochs", 1, "--advantage-aggregation", aggregation]
     local, served = run_pair("nft", tmp_path, tmp_path, "ocr:1.0,jpeg_compressibility:0.5", f"{ocr}:1.0,{jpeg}:0.5", *flags)
-    assert_same_state(run.load_checkpoint(local), run.load_checkpoint(served), "nft")
+    assert_same_state(checkpoints.load_checkpoint(local), checkpoints.load_checkpoint(served), "nft")
     logged = scalars(local)
     assert {"charts/ocr", "charts/jpeg_compressibility", "eval/ocr", "eval/ocr_strict"} <= set(logged)
     assert scalars(served) == logged
@@ -402,7 +402,7 @@ def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
         assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
         assert err.strip().splitlines()[-1].startswith(f"error: reward server {url}: ")
         assert "(3 tries)" in err.strip().splitlines()[-1]
-        stopped_at = run.load_checkpoint(run_dir)["epoch"]
+        stopped_at = checkpoints.load_checkpoint(run_dir)["epoch"]
         assert 1 <= stopped_at < epochs
 
         port = free_port()
@@ -411,7 +411,7 @@ def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
     finally:
         kill_group(server)
         server.communicate()
-    assert_same_state(run.load_checkpoint(local), run.load_checkpoint(run_dir), "grpo")
+    assert_same_state(checkpoints.load_checkpoint(local), checkpoints.load_checkpoint(run_dir), "grpo")
 
 
 def test_server_bad_inputs_are_one_line(servers):

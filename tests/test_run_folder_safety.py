@@ -23,8 +23,11 @@ from conftest import run_in_process, run_script
 from test_algos import script_argv, write_prompts
 from test_bad_inputs import TINY, assert_one_line, call, snapshot
 
+import checkpoints
+import common
 import models
 import run
+import shards
 from algos import nft
 
 # test_bad_inputs' fixtures: one finished tiny nft run per module (`nft_run`), a fresh copy of it per test (`run_copy`)
@@ -127,8 +130,8 @@ def test_a_crafted_shards_checkpoint_runs_no_code(case, run_copy, tmp_path, caps
     rc, err = call("nft", resume(run_copy), capsys)
     line = assert_one_line(rc, err, expected)
     assert line.startswith(f"error: checkpoint {run_copy / 'checkpoints' / 'epoch_000001'}: ")
-    with pytest.raises(run.UserError, match="its shards"):
-        run.load_checkpoint(run_copy, full=True)
+    with pytest.raises(common.UserError, match="its shards"):
+        checkpoints.load_checkpoint(run_copy, full=True)
     assert not marker.exists() and not no_model_load and snapshot(run_copy) == before
     if case == "pickle that runs code":  # the payload is live: what a bare pickle.load (DCP's reader) would do
         pickle.loads((ckpt / "shards" / ".metadata").read_bytes())
@@ -143,20 +146,20 @@ def test_a_shards_folder_written_by_dcp_resumes(tmp_path):
     prompts = write_prompts(tmp_path)
     run_script(script_argv("nft", prompts, tmp_path / "runs", "--num-epochs", 1, "--fsdp"))
     (run_dir,) = (tmp_path / "runs").iterdir()
-    shards = run_dir / "checkpoints" / "epoch_000001" / "shards"
-    meta = run.read_shards_metadata(shards)
+    folder = run_dir / "checkpoints" / "epoch_000001" / "shards"
+    meta = shards.read_shards_metadata(folder)
     ours = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
     theirs = {k: torch.full_like(v, float("nan")) for k, v in ours.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(ours, storage_reader=run.shards_reader(shards), no_dist=True)
-        dcp.load(theirs, checkpoint_id=str(shards), no_dist=True)  # DCP's reader: the folder is ours, trusted here
+        dcp.load(ours, storage_reader=shards.shards_reader(folder), no_dist=True)
+        dcp.load(theirs, checkpoint_id=str(folder), no_dist=True)  # DCP's reader: the folder is ours, trusted here
     assert any(k.startswith("optimizer/") for k in ours) and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    full = run.load_checkpoint(run_dir, full=True)
+    full = checkpoints.load_checkpoint(run_dir, full=True)
     assert all(torch.equal(full["params"][k[len("params/") :]], v) for k, v in ours.items() if k.startswith("params/"))
 
     run_script(["algos/nft.py", "--resume", run_dir, "--num-epochs", 2])
-    assert run.load_checkpoint(run_dir, full=True)["epoch"] == 2
+    assert checkpoints.load_checkpoint(run_dir, full=True)["epoch"] == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -231,7 +234,7 @@ def test_the_run_folders_own_links_resume(run_copy, capsys):
     (run_copy / "checkpoints" / ".tmp-last.4242").symlink_to("epoch_000001")
     (run_copy / "checkpoints" / ".tmp-last.4343").symlink_to("epoch_000009")
     resumes(resume(run_copy / "checkpoints" / "last"), capsys)
-    assert run.load_checkpoint(run_copy)["epoch"] == 2
+    assert checkpoints.load_checkpoint(run_copy)["epoch"] == 2
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["epoch_000001", "epoch_000002", "last"]
 
 
@@ -326,7 +329,7 @@ def test_a_moved_reward_server_resumes(served_copy, fake_server, capsys):
     assert server.requests == [] and "POST /jpeg_compressibility" in new_server.requests
     record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
     assert record["overrides"]["reward"] == {"saved": f"{url}/jpeg_compressibility", "now": moved}
-    ckpt = run.load_checkpoint(run_dir)
+    ckpt = checkpoints.load_checkpoint(run_dir)
     assert ckpt["epoch"] == 2 and ckpt["args"]["reward"] == moved
 
 
@@ -365,7 +368,7 @@ def test_a_checkpoint_never_sets_an_eval_reward_server(run_copy, fake_server, ca
     edit_state(run_copy, lambda st: st["args"].update(eval_rewards=[f"{url}/jpeg_compressibility"]))
     err = resumes(resume(run_copy, "--eval-every", 1), capsys)
     assert f"note: the run had --eval-rewards {url}/jpeg_compressibility; a checkpoint never sets where images go" in err
-    assert server.requests == [] and run.load_checkpoint(run_copy)["args"]["eval_rewards"] == ()
+    assert server.requests == [] and checkpoints.load_checkpoint(run_copy)["args"]["eval_rewards"] == ()
     argv = ["--resume", str(run_copy), "--num-epochs", "3", "--eval-rewards", f"{url}/jpeg_compressibility"]
     resumes(argv, capsys)
     assert "POST /jpeg_compressibility" in server.requests

@@ -230,7 +230,7 @@ def main():
     tmp = tempfile.TemporaryDirectory(prefix="gradient_noise_")
     # no evaluation or checkpoint in between (the weights never move), the run folder thrown away, AdamW's decay off
     argv = [*argv, "--weight-decay", "0", "--eval-every", "1000000", "--save-every", "1000000", "--output-dir", tmp.name]
-    args = tyro.cli(module.Args, args=run.upgrade_argv(argv, module.Args))
+    args = tyro.cli(module.Args, args=argv)
     if args.num_epochs < 3:
         print("gradient_noise.py: needs --num-epochs >= 3 (pairs of steps from different epochs)", file=sys.stderr)
         sys.exit(2)
