@@ -18,7 +18,7 @@ import types
 import typing
 import urllib.parse
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Annotated, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -153,6 +153,16 @@ def seed_everything(seed: int, torch_deterministic: bool = True):
 
 # flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
 # `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
+# The scripts' optional flags, labelled by their type in --help: tyro's own label ("{None}|INT") is long enough to push
+# the flag onto a line of its own. `None` stays the default, and "None" on the command line still means it.
+OptionalInt = Annotated[Optional[int], tyro.conf.arg(metavar="INT")]
+OptionalFloat = Annotated[Optional[float], tyro.conf.arg(metavar="FLOAT")]
+OptionalStr = Annotated[Optional[str], tyro.conf.arg(metavar="STR")]
+Names = Annotated[tuple[str, ...], tyro.conf.arg(metavar="NAME ...")]
+OptionalNames = Annotated[Optional[tuple[str, ...]], tyro.conf.arg(metavar="NAME ...")]
+OptionalTokens = Annotated[Optional[int], tyro.conf.arg(metavar="N")]  # --max-sequence-length INT is a column too wide
+
+
 SAFE_OVERRIDES = (
     "num_epochs",
     "eval_every",

@@ -163,3 +163,17 @@ def test_the_shared_modules_have_no_import_cycle_and_stay_under_800_lines():
         if node not in state:
             visit(node, [node])
     assert graph["run"] >= {"checkpoints"} and "run" not in graph["checkpoints"] | graph["export"] | graph["shards"]
+
+
+@pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
+def test_help_fits_on_110_lines_at_120_columns(path):
+    """`--help` is read, not searched: at most 110 lines in a 120-column terminal. tyro puts a flag whose invocation is
+    wider than its column on a line of its own, which is why the optional flags carry short type labels (run.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--num-epochs" in out.stdout and len(out.stdout.splitlines()) <= 110, len(out.stdout.splitlines())
