@@ -22,9 +22,9 @@ import common
 import export
 import models
 import run
-from algos import awm, crd, dgpo, grpo, nft
+from algos import awm, crd, dgpo, dpo, grpo, nft
 
-ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "grpo": grpo, "nft": nft}
+ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "dpo": dpo, "grpo": grpo, "nft": nft}
 TINY = (
     "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --no-full-finetune"
 )
@@ -34,7 +34,7 @@ TINY = TINY.split()  # a LoRA, as on a real model (the tiny models' default trai
 VALID = {"grpo": ["--num-sde-steps", "1"]}
 LONG = "a red circle " + "and " * 2500  # 10,000 characters the reward cannot parse
 
-# flags -> a piece of the one error line; {tmp} is the test's folder. Shared checks: run for all five scripts.
+# flags -> a piece of the one error line; {tmp} is the test's folder. Shared checks: run for every script.
 SHARED = {
     "--num-prompts 0": "--num-prompts 0: must be > 0",
     "--micro-batch 0": "--micro-batch 0: must be > 0",
@@ -116,6 +116,10 @@ SPECIFIC = [
     ("crd", "--sampling-decay-ramp -0.1", "--sampling-decay-ramp -0.1: must be >= 0"),
     ("dgpo", "--ema-ref-decay-start 1.5", "--ema-ref-decay-start 1.5: must be in [0, 1]"),
     ("dgpo", "--micro-batch 2", "must hold whole groups"),
+    ("dpo", "--micro-batch 2", "must hold whole groups"),
+    ("dpo", "--dpo-beta 0", "--dpo-beta 0.0: must be > 0"),
+    ("dpo", "--logit-std -1", "--logit-std -1.0: must be > 0"),
+    ("dpo", "--pairs {tmp}/missing.jsonl", "--pairs {tmp}/missing.jsonl: cannot be read"),
     ("dgpo", "--num-train-timesteps 11", "--num-train-timesteps 11: only"),
     ("dgpo", "--off-policy-after=-5", "--off-policy-after -5: must be >= 0"),
     ("nft", "--timesteps-per-image --num-train-timesteps 11", "--num-train-timesteps 11: --timesteps-per-image draws"),
