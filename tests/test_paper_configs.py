@@ -207,6 +207,42 @@ CRD = {
 }
 
 # {script: {task: {Args field: (official value in cleanflow's units, where it comes from)}}}
+DPO_CODE = FG + "scripts/train_sd3_dpo.py:"
+DPO_CFG = FG + "config/dpo.py:"
+# flow_grpo's DPO (config/dpo.py `pickscore_sd3`); it has no OCR config, so TASK=ocr keeps these values
+DPO = {
+    "num_steps": (40, DPO_CFG + "74"),
+    "sigma_schedule": ("scheduler", FG + "flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py:121-127 (sigmas None)"),
+    "eval_num_steps": (40, DPO_CFG + "75"),
+    "guidance_scale": (4.5, DPO_CFG + "76"),
+    "eval_guidance_scale": (4.5, DPO_CODE + "229 (eval passes sample.guidance_scale)"),
+    "resolution": (512, DPO_CFG + "78"),
+    "group_size": (24, DPO_CFG + "80"),
+    "micro_batch": (24, DPO_CFG + "88 (train.batch_size = sample.train_batch_size: one group)"),
+    "num_prompts": (1, DPO_CFG + "79-81 (24 images of one prompt per process) + scripts/single_node/dpo.sh (1 process)"),
+    "grad_steps_per_epoch": (1, DPO_CFG + "50 + " + DPO_CODE + "332 (one step per batch's 39 timesteps)"),
+    "num_train_timesteps": (39, DPO_CODE + "320 + " + DPO_CFG + "91 (int(40 x 0.99))"),
+    "timestep_sampling": ("logit-normal", DPO_CODE + "890-896 (compute_density_for_timestep_sampling)"),
+    "logit_mean": (0.0, DPO_CODE + "893"),
+    "logit_std": (1.0, DPO_CODE + "894"),
+    "dpo_beta": (50.0, DPO_CFG + "92 (beta 100) + " + DPO_CODE + "936 (-0.5 * beta inside the sigmoid)"),
+    "pairs_per_group": ("best-worst", FG + "flow_grpo/stat_tracking.py:38-52 (argmax vs argmin)"),
+    "rollout_policy": ("base", DPO_CODE + "618 (the ref adapter samples) + " + DPO_CFG + "86 (never refreshed)"),
+    "dynamics": ("Flow-SDE", FG + "flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:47"),
+    "eta": (0.7, FG + "config/base.py:54 (sample.noise_level)"),
+    "eval_ema_decay": (0.9, DPO_CODE + "422"),
+    "eval_ema_interval": (8, DPO_CODE + "422 (update_step_interval 8)"),
+    "eval_ema_repeats": (1, DPO_CODE + "973-974 (ema.step once per optimizer step)"),
+    "learning_rate": (3e-4, FG + "config/base.py:63"),
+    "weight_decay": (1e-4, FG + "config/base.py:69"),
+    "max_grad_norm": (1.0, FG + "config/base.py:76"),
+    "lora_rank": (32, DPO_CODE + "400"),
+    "lora_alpha": (64.0, DPO_CODE + "401"),
+    "base_dtype": ("float32", DPO_CODE + "385 (the transformer stays as loaded)"),
+    "mixed_precision": (FP16, FG + "config/base.py:21"),
+}
+
+
 OFFICIAL = {
     "grpo": {
         "pickscore": {
@@ -314,6 +350,7 @@ OFFICIAL = {
         },
     },
     "crd": {task: dict(CRD) for task in ("pickscore", "ocr")},
+    "dpo": {task: dict(DPO) for task in ("pickscore", "ocr")},
 }
 
 
