@@ -534,22 +534,23 @@ def main(args: Args):
                         sig = torch.tensor(
                             [train_sigma(g, train_grid, args.timestep_sampling, args.logit_mean, args.logit_std) for g in gens]
                         )
-                        eps = common.randn((len(rows), *x0.shape[1:]), gens).to(device)
-                        idx = [position[s] for side in range(len(rows[0])) for s in (row[side] for row in rows)]
-                        x = x0[idx]  # [chosen..., rejected...] (SFT: the samples)
-                        s = sig.repeat(len(rows[0])).to(device)
-                        noise = eps.repeat(len(rows[0]), *[1] * (eps.dim() - 1))
-                        xt = (1 - s.view(-1, *[1] * (x.dim() - 1))) * x + s.view(-1, *[1] * (x.dim() - 1)) * noise
-                        mb_cond = cond[idx]
+                        eps = common.randn((len(rows), *x0.shape[1:]), gens)
+                        sides = len(rows[0])  # 2: (chosen, rejected); 1: SFT
+                        idx = [position[row[side]] for side in range(sides) for row in rows]  # [chosen..., rejected...]
+                        x, mb_cond = x0[idx], cond[idx]
+                        sigma = sig.repeat(sides).to(device)
+                        noise = eps.repeat(sides, *[1] * (eps.dim() - 1)).to(device)
+                        sb = sigma.view(-1, *[1] * (x.dim() - 1))  # broadcast over the latent dims
+                        xt = (1 - sb) * x + sb * noise
                         if pairs is not None:
                             with (
                                 torch.no_grad(),
                                 common.autocast(device, args.mixed_precision),
                                 models.reference_model(transformer),
                             ):
-                                err_ref = fm_error(common.velocity(transformer, xt, s, mb_cond), noise - x)
+                                err_ref = fm_error(common.velocity(transformer, xt, sigma, mb_cond), noise - x)
                         with common.autocast(device, args.mixed_precision):
-                            v = common.velocity(transformer, xt, s, mb_cond)  # training forwards: no CFG
+                            v = common.velocity(transformer, xt, sigma, mb_cond)  # training forwards: no CFG
                         err = fm_error(v, noise - x)
                         if pairs is None:  # SFT: the plain flow-matching loss on the chosen images
                             policy_loss = err.mean()
