@@ -291,11 +291,12 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
 
 @torch.no_grad()
 def encode_images(pipe, pixels: np.ndarray, chunk: int) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> the sampler's latents, the inverse of common.vae_decode: (mode of the VAE posterior -
-    shift_factor) x scaling_factor. Only for families that sample the VAE's latents as they are (SD3's layout)."""
-    if pipe.family.decode is not common.vae_decode:
+    """uint8 [N, H, W, 3] -> the sampler's latents, the inverse of models.shared.vae_decode: (mode of the VAE posterior -
+    shift_factor) x scaling_factor. Only for the families that decode with it, whose sampler latents are the VAE's own
+    (SD3, FLUX.1, ...; tested on SD3)."""
+    if pipe.family.decode is not models.shared.vae_decode:
         raise common.UserError(
-            f"--pairs: offline pairs are encoded for SD3-layout latents; {pipe.family.name} is not supported"
+            f"--pairs: offline pairs need a family that samples the VAE's own latents, not {pipe.family.name}"
         )
     vae = pipe.vae
     out = []
