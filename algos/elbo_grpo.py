@@ -1,0 +1,557 @@
+"""ELBO-GRPO: GRPO on the flow-matching ELBO of the final sample, ODE rollouts. "Rethinking the Design Space of RL for
+Diffusion Models" (Choi et al., ICML 2026, arXiv 2602.04663) and V-GRPO (Tang et al., arXiv 2604.23380) -- docs/elbo_grpo.md
+
+python algos/elbo_grpo.py                                              # tiny-shapes on CPU, a few minutes
+torchrun --nproc-per-node 8 algos/elbo_grpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # benchmark/
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoints  # noqa: E402
+import common  # noqa: E402
+import distributed  # noqa: E402
+import export  # noqa: E402
+import logs  # noqa: E402
+import models  # noqa: E402,F401  (registers the model families with common)
+import run  # noqa: E402
+from rewards import load_rewards  # noqa: E402
+
+# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, cuDNN uses deterministic kernels"""
+    device: Optional[str] = None
+    """torch device; default cuda:<rank> or cpu"""
+    output_dir: str = "runs"
+    """runs go to <output_dir>/<run_name>/"""
+    resume: Optional[str] = None
+    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
+    num_epochs: int = 60
+    """epochs; one epoch = one rollout of M x K images + its updates"""
+    eval_every: int = 10
+    """evaluate every this many epochs"""
+    eval_num_steps: Optional[int] = None
+    """evaluation steps; default num_steps"""
+    eval_guidance_scale: Optional[float] = None
+    """evaluation CFG; default guidance_scale"""
+    eval_noises: int = 2
+    """noises per held-out prompt"""
+    eval_ema_decay: float = 0.0
+    """decay of the evaluated weight EMA; 0 = off"""
+    eval_ema_interval: int = 1
+    """optimizer steps per eval EMA update"""
+    eval_ema_repeats: int = 1
+    """times each eval EMA update is applied"""
+    save_every: int = 10
+    """checkpoint every this many epochs"""
+    keep_checkpoints: int = 3
+    """newest checkpoints to keep (>= 1)"""
+    track: bool = False
+    """if toggled, mirror the logs to Weights & Biases"""
+    wandb_project_name: str = "cleanflow"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    push_to_hub: Optional[str] = None
+    """hub repo (user/name) to upload the export to"""
+    mixed_precision: bool = False
+    """bf16 autocast of the transformer"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward"""
+    overlap_reward: bool = True
+    """score in a thread while the next samples"""
+    compile: bool = False
+    """torch.compile each transformer block"""
+    fsdp: bool = False
+    """FSDP2: shard the transformer over the ranks"""
+    fsdp_cpu_offload: bool = False
+    """with fsdp: keep the shards in CPU memory"""
+    offload_text_encoders: bool = False
+    """encode prompts once, text encoders to cpu"""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base model"""
+    resolution: Optional[int] = None
+    """image side in pixels; default native"""
+    height: Optional[int] = None
+    """image height; default resolution"""
+    width: Optional[int] = None
+    """image width; default resolution"""
+    num_frames: Optional[int] = None
+    """frames per video (video models)"""
+    negative_prompt: str = ""
+    """the negative prompt of CFG"""
+    max_sequence_length: Optional[int] = None
+    """text tokens per prompt"""
+
+    # Model & sampler
+    model: str = common.TINY_MODEL
+    """diffusers pipeline: a folder or a hub id"""
+    reward: str = "shapes_clean"
+    """reward name or weighted list "name:w,name:w" (rewards/)"""
+    eval_rewards: tuple[str, ...] = ()
+    """side metrics scored on the eval images only, eval/<name>"""
+    train_prompts: str = common.TRAIN_PROMPTS
+    """training prompts (.txt, or .jsonl "prompt")"""
+    test_prompts: str = common.TEST_PROMPTS
+    """held-out prompts for evaluation"""
+    num_steps: int = 10
+    """N, sampling steps"""
+    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
+    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
+    guidance_scale: float = 1.0
+    """CFG scale of rollout and training forward"""
+    guidance_scale_2: Optional[float] = None
+    """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
+    """rollout dynamics (the papers: ODE; the ELBO needs only x0)"""
+    eta: float = 0.7
+    """noise level of the SDE dynamics"""
+    full_finetune: tyro.conf.DisallowNone[Optional[bool]] = None
+    """train every transformer weight (fp32), no LoRA; None: if under 50M weights"""
+    lora_rank: int = 16
+    """LoRA rank r"""
+    lora_alpha: float = 32.0
+    """LoRA alpha (scale alpha / r)"""
+    lora_targets: Optional[tuple[str, ...]] = None
+    """modules that get LoRA; default the family's"""
+
+    # Optimizer & batch
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global)"""
+    group_size: int = 8
+    """K, images per prompt"""
+    micro_batch: int = 16
+    """per-rank micro-batch"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per epoch"""
+    num_train_timesteps: int = 4
+    """T, (t, eps) draws of the ELBO per image"""
+    timestep_range: float = 0.99
+    """draw t where sigma >= 1 - range"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-c, c]"""
+    advantage_std: Literal["group", "global"] = "group"
+    """std of the z-score: per group or global"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: z-score their sum, or each first"""
+
+    # Algorithm specific arguments
+    elbo_weighting: Literal["adaptive", "uniform", "t", "exact"] = "adaptive"
+    """w(t) of the ELBO estimate (Eq. 3)"""
+    shared_group_noise: bool = True
+    """the K images of a prompt share their (t, eps) draws (V-GRPO)"""
+    clip_low: float = 1e-3
+    """PPO clip below: ratio >= 1 - clip_low (Eq. 5)"""
+    clip_high: float = 1e-3
+    """PPO clip above: ratio <= 1 + clip_high (Eq. 5)"""
+    kl_beta: float = 0.0
+    """beta, KL weight to the base model (Eq. 6)"""
+
+    # to be filled in runtime
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed in runtime)"""
+    argv: tyro.conf.Suppress[tuple[str, ...]] = ()
+    """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
+
+
+# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
+# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
+# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
+) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
+
+    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
+    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
+    plus STD_EPS. A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
+    """
+    r = rewards.double().view(-1, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise common.UserError("leave-one-out advantages need a group size >= 2")
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    centred = r - baseline
+    if std == "group":
+        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
+    elif std == "global":
+        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
+    else:
+        raise common.UserError(f"unknown advantage std mode {std!r}; choose group or global")
+    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
+    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.view(-1).float()
+
+
+def aggregate_advantages(
+    scores: dict,
+    weights: dict,
+    group_size: int,
+    aggregation: str = "sum",
+    std: str = "group",
+    leave_one_out: bool = False,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """Several rewards -> one advantage per sample.
+
+    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
+    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
+    scale cannot drown the others.
+    """
+    if aggregation == "sum":
+        total = sum(w * scores[k] for k, w in weights.items())
+        return group_advantages(total, group_size, std, leave_one_out, clip)
+    if aggregation == "gdpo":
+        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
+        return combined.clamp(-clip, clip) if clip is not None else combined
+    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
+
+
+# ALGO LOGIC: the ELBO surrogate and its clipped ratio as small pure functions (equations numbered in docs/elbo_grpo.md)
+def elbo(v, v_target, sigma, weighting: str) -> torch.Tensor:
+    """One-draw estimate of the flow-matching ELBO of the clean sample x0, per sample, in float64 (Eq. 2):
+    -w(t) mean over latent elements of (v(x_t, t) - u)^2, with x_t = (1 - t) x0 + t eps and u = eps - x0, up to a
+    constant that does not depend on the weights (Eq. 1). `sigma` is t, a float or a [B] tensor.
+
+    w(t) (Eq. 3, the Rethinking code's `compute_elbo`): "uniform" 1 (the plain flow-matching loss); "t" t^2 (the error of
+    x0_hat = x_t - t v, since x0_hat - x0 = t (u - v)); "exact" (1 - t) / (t + 1e-3); "adaptive" (their default) the
+    x0_hat error divided by its own mean absolute value, held constant (no gradient), floored at 1e-5: every sample and
+    t then contributes on the same scale. Higher = x0 is more likely under v. Mean over elements, not a sum, so log-ratios
+    are per element and the clip range is ~1e-3 (as Flow-Factory's per-step log-probs)."""
+    err = v.double() - v_target.double()
+    t = torch.as_tensor(sigma, dtype=torch.float64, device=err.device).reshape(-1, *([1] * (err.dim() - 1)))
+    if weighting == "uniform":
+        return -err.pow(2).flatten(1).mean(1)
+    if weighting == "t":
+        return -(t * err).pow(2).flatten(1).mean(1)
+    if weighting == "exact":
+        return -((1 - t) / (t + 1e-3) * err.pow(2)).flatten(1).mean(1)
+    if weighting == "adaptive":
+        x0_err = (t * err).flatten(1)
+        scale = x0_err.detach().abs().mean(1).clamp_min(1e-5)
+        return -x0_err.pow(2).mean(1) / scale
+    raise common.UserError(f"unknown ELBO weighting {weighting!r}; choose adaptive, uniform, t or exact")
+
+
+def timestep_indices(num_indices: int, count: int, keys, seed: int, epoch: int) -> torch.Tensor:
+    """[B, T] schedule indices in [0, num_indices): T stratified indices per key (V-GRPO's stratified timestep
+    sampling), each key's own stream keyed by (seed, epoch, key), so the draw does not depend on the rank count, the
+    micro-batch or a resume. Keys are group indices (the K images of a prompt share their timesteps) or sample indices."""
+    gens = common.keyed_generators(seed, epoch, "timesteps", indices=keys)
+    return torch.tensor([common.stratified_indices(num_indices, count, g) for g in gens])
+
+
+def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
+    """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
+    mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
+
+    `weight` [B] multiplies each sample's term inside the mean. Returns (loss, ratio, approx_kl, clipfrac);
+    approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    terms = torch.maximum(unclipped, clipped)
+    loss = (terms if weight is None else weight * terms).mean()
+    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
+    clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
+    return loss, ratio.detach(), approx_kl, clipfrac
+
+
+def velocity_kl(v, v_ref) -> torch.Tensor:
+    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
+    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
+    of this."""
+    return (v - v_ref).pow(2).flatten(1).mean(1)
+
+
+def main(args: Args):
+    # TRY NOT TO MODIFY: setup, seeding, logging
+    run_dir, ckpt = run.start_run(args, __file__)
+    dist = distributed.setup_distributed(args.device)
+    device = dist.device
+    run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
+
+    # TRY NOT TO MODIFY: batch geometry
+    if args.group_size < 2:
+        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
+    total = args.num_prompts * args.group_size
+    per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
+    local_samples = per_rank_step * args.grad_steps_per_epoch
+    num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
+    # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
+    local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
+    if dist.is_main:
+        print(
+            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
+            f"images/epoch={total} ({local_samples}/rank), micro-batch={args.micro_batch} x {num_micro}/rank, "
+            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
+            f"world size={dist.world_size}"
+        )
+
+    # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
+    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
+    pipe = models.load_pipeline(
+        args.model,
+        device,
+        models.DTYPES[args.base_dtype],
+        args.resolution,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        guidance_scale_2=args.guidance_scale_2,
+        shard=args.fsdp,
+    )
+    transformer = pipe.transformer
+    torch.manual_seed(args.seed)  # identical LoRA init on every rank
+    params = models.trainable_params(transformer, args)
+    if args.learning_rate is None:
+        args.learning_rate = LEARNING_RATES["full" if args.full_finetune else "lora"]
+    distributed.check_same_on_all_ranks(params)
+    if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
+        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(transformer)
+    if args.compile:
+        models.compile_transformer(transformer)
+    encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
+    if args.offload_text_encoders:
+        encoder.precompute(train_prompts + test_prompts)
+        encoder.offload()
+    if dist.is_main:
+        print(f"trainable ({'full' if args.full_finetune else 'LoRA'}) params={sum(p.numel() for p in params):,}")
+
+    # ALGO LOGIC: the state a checkpoint must carry beyond weights and optimizer, and the window of training timesteps
+    snapshots = {}  # no snapshot: the old ELBOs come from the rollout's own weights, computed before the epoch's updates
+    sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
+    eligible = int((sigmas[:-1] >= 1 - args.timestep_range - 1e-6).sum())
+    if eligible < 1:
+        raise common.UserError(f"--timestep-range {args.timestep_range}: leaves no schedule index to train on")
+    if dist.is_main:
+        print(
+            f"ELBO draws per image T={args.num_train_timesteps} ({args.elbo_weighting} weighting), t from steps "
+            f"0..{eligible - 1} of {args.num_steps} (sigma {sigmas[eligible - 1]:.3f}..{sigmas[0]:.3f}), "
+            f"{'shared by each group' if args.shared_group_noise else 'per image'}"
+        )
+
+    # TRY NOT TO MODIFY: generators, resume
+    # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
+    # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
+    prompt_gen = torch.Generator().manual_seed(args.seed)
+    eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
+    start_epoch, step, images_seen = checkpoints.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+    logger = logs.Logger(run_dir, args, ckpt, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+
+    def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
+        checkpoints.save_state(
+            run_dir,
+            args,
+            pipe,
+            named,
+            optimizer,
+            snapshots,
+            eval_ema,
+            prompt_gen,
+            logger,
+            epoch=epoch,
+            step=step,
+            images_seen=images_seen,
+        )
+        export.export_model(run_dir, pipe, args, __doc__, epoch, logger, eval_ema)
+
+    timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
+    stopped_at = None
+    pbar = tqdm(
+        range(start_epoch, args.num_epochs),
+        disable=not dist.is_main,
+        desc=args.exp_name,
+        unit="epoch",
+        initial=start_epoch,
+        total=args.num_epochs,
+    )
+    for epoch in pbar:
+        if stop.requested:
+            save(epoch)
+            stopped_at = epoch
+            break
+        if epoch % args.eval_every == 0:
+            logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+        if epoch % args.save_every == 0 and epoch > start_epoch:
+            save(epoch)
+
+        # ---- sampling ----
+        with timer("sampling"):
+            prompts = common.group_prompts(train_prompts, args.num_prompts, args.group_size, prompt_gen)
+            prompts = [prompts[j] for j in local_idx]
+            cond = encoder.cond(prompts)
+            scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
+            rollout = common.sample(
+                transformer,
+                pipe.scheduler,
+                cond,
+                num_steps=args.num_steps,
+                guidance_scale=args.guidance_scale,
+                dynamics=args.dynamics,
+                eta=args.eta,
+                generator=common.keyed_generators(args.seed, epoch, "rollout", indices=local_idx),
+                latent_shape=pipe.latent_shape,
+                use_autocast=args.mixed_precision,
+                schedule=args.sigma_schedule,
+                chunk=scorer.chunk,
+                on_chunk=scorer,
+            )
+            x0 = rollout.latents  # the ELBO needs only the clean samples: no trajectory, no per-step log-probs
+
+        # ---- reward ----
+        with timer("reward"):
+            # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
+            images, local_scores = scorer.result()
+            scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
+            adv = aggregate_advantages(
+                scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
+            )[local_idx].to(device)
+            images_seen += args.num_prompts * args.group_size
+
+        # ---- training ----
+        with timer("training"):
+            # pass 1 (no grad): T draws (t, eps) per image and the old ELBOs under the rollout's weights (Eq. 2), plus the
+            # base velocities of the KL, for every micro-batch before any update: the ratio compares the moved policy
+            # with the one that sampled x0, at the very same (t, eps) (Eq. 4). Draws are keyed by the global group (or
+            # sample) index and micro-batches are contiguous, so any rank count computes the same thing.
+            keys = local_idx // args.group_size if args.shared_group_noise else local_idx
+            idx = timestep_indices(eligible, args.num_train_timesteps, keys, args.seed, epoch)  # [B, T]
+            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=keys)  # one noise stream per key
+            batches = []
+            for j in range(args.num_train_timesteps):
+                eps = common.randn(x0.shape, train_gens).to(device)
+                for mb in range(num_micro):
+                    sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    mb_cond = cond[sl]
+                    s = sigmas[idx[sl, j].to(sigmas.device)]  # [mb]
+                    st = s.view(-1, *([1] * (x0.dim() - 1)))
+                    xt = (1 - st) * x0[sl] + st * eps[sl]
+                    v_target = eps[sl] - x0[sl]
+                    v_ref = None
+                    with torch.no_grad(), common.autocast(device, args.mixed_precision):
+                        if args.kl_beta > 0:
+                            with models.reference_model(transformer):
+                                v_ref = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                        v_old = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                    old_elbo = elbo(v_old, v_target, s, args.elbo_weighting)  # old = the rollout's weights, never updated
+                    batches.append((mb_cond, sl, s, xt, v_target, old_elbo, v_ref))
+
+            # pass 2: the clipped ELBO-ratio surrogate plus the KL to the base, grad_steps_per_epoch optimizer steps
+            stats = {
+                name: [] for name in ("policy_loss", "kl_ref", "grad_norm", "approx_kl", "clipfrac", "ratio_mean", "elbo")
+            }
+            per_step = micro_per_step * args.num_train_timesteps
+            k = 0
+            for mb_cond, sl, s, xt, v_target, old_elbo, v_ref in sorted(batches, key=lambda b: b[1].start):
+                with common.autocast(device, args.mixed_precision):
+                    v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
+                new_elbo = elbo(v, v_target, s, args.elbo_weighting)
+                # Eq. 4-5: r = exp(ELBO_theta - ELBO_old), PPO-clipped; at r = 1 the gradient is -A grad ELBO
+                policy_loss, ratio, approx_kl, clipfrac = ppo_loss(new_elbo, old_elbo, adv[sl], args.clip_low, args.clip_high)
+                kl = velocity_kl(v, v_ref).mean() if v_ref is not None else torch.zeros((), device=device)  # Eq. 6
+                loss = policy_loss + args.kl_beta * kl
+                (loss / per_step).backward()
+                for name, value in (
+                    ("policy_loss", policy_loss),
+                    ("kl_ref", kl),
+                    ("approx_kl", approx_kl),
+                    ("clipfrac", clipfrac),
+                    ("ratio_mean", ratio.mean()),
+                    ("elbo", new_elbo.detach().mean()),
+                ):
+                    stats[name].append(value.item())
+                # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
+                k += 1
+                if k % per_step == 0:
+                    distributed.all_reduce_grads(params)
+                    grad_norm = distributed.clip_grad_norm(params, args.max_grad_norm)
+                    if finite_grads(grad_norm, lambda: save(epoch)):
+                        optimizer.step()
+                        step += 1
+                        eval_ema.update(step)
+                        stats["grad_norm"].append(grad_norm.item())
+                    optimizer.zero_grad(set_to_none=True)
+            diagnostics = {"ratio_mean": float(np.mean(stats.pop("ratio_mean"))), "elbo": float(np.mean(stats.pop("elbo")))}
+
+        # ---- logging ----
+        # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes
+        times = timer.pop()
+        reward_total = rewards.total(scores)
+        metrics = {
+            "charts/reward_mean": reward_total.mean(),
+            "charts/reward_std": reward_total.std(),
+            **{f"charts/{k}": v.mean() for k, v in scores.items()},
+            "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **{f"charts/{k}": v for k, v in diagnostics.items()},
+            **{f"losses/{k}": logs.nanmean(v) for k, v in stats.items()},
+            **{f"time/{k}": v for k, v in times.items()},
+        }
+        metrics = {k: distributed.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        logger.scalars(metrics, images_seen)
+        if dist.is_main and epoch % args.eval_every == 0:
+            logger.images(
+                "train/images",
+                images[:16],
+                [f"{p} | {r:.2f}" for p, r in zip(prompts[:16], reward_total[local_idx][:16])],
+                images_seen,
+            )
+        pbar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3g}", loss=f"{metrics['losses/policy_loss']:.3g}")
+
+    # TRY NOT TO MODIFY: final eval, checkpoint, close
+    if stopped_at is None:
+        logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
+        save(args.num_epochs)
+    if dist.is_main:
+        done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
+        print(f"{done}  peak RSS {logs.peak_rss_mb():.0f} MB  run: {run_dir}")
+        if args.push_to_hub:
+            export.push_to_hub(export.export_dir(run_dir, args), args.push_to_hub)
+    logger.close()
+    distributed.cleanup_distributed()
+    stop.exit()  # exit code 143 after a SIGTERM, so that a scheduler does not take the run for finished
+
+
+if __name__ == "__main__":
+    run.run_main(main, tyro.cli(Args))
