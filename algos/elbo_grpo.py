@@ -306,6 +306,12 @@ def main(args: Args):
     device = dist.device
     run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
+    # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
+    if not 0 < args.timestep_range <= 1:
+        raise common.UserError(
+            f"--timestep-range {args.timestep_range}: must be in (0, 1] (t is drawn where sigma >= 1 - range)"
+        )
+
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
         raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")

@@ -9,7 +9,7 @@ import torch
 
 ALGOS = pytest.mark.parametrize(
     "algo",
-    [importlib.import_module(f"algos.{name}") for name in ("awm", "crd", "dgpo", "grpo", "nft")],
+    [importlib.import_module(f"algos.{name}") for name in ("awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft")],
     ids=lambda m: m.__name__,
 )
 

@@ -28,6 +28,7 @@ FLAGS = {
     "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",
     "dgpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --off-policy-after 1 --ema-ref-decay-ramp 0.1",
     "dpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --pairs-per-group all",
+    "elbo_grpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01",
     "nft": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01 --old-decay-ramp 0.3",
 }
 EPOCHS = 3  # of the reference run

@@ -22,9 +22,9 @@ import common
 import export
 import models
 import run
-from algos import awm, crd, dgpo, dpo, grpo, nft
+from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, nft
 
-ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "dpo": dpo, "grpo": grpo, "nft": nft}
+ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "dpo": dpo, "elbo_grpo": elbo_grpo, "grpo": grpo, "nft": nft}
 TINY = (
     "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --no-full-finetune"
 )
@@ -140,6 +140,7 @@ SPECIFIC = [
     ("grpo", "--test-prompts /dev/null", "is not a regular file"),
     ("nft", "--reward shapes:heavy", "bad weight 'heavy'"),
     ("awm", "--num-train-timesteps 0", "--num-train-timesteps 0: must be > 0"),
+    ("elbo_grpo", "--timestep-range=-1", "--timestep-range -1.0: must be in (0, 1]"),
 ]
 CASES = [(algo, flags, msg) for flags, msg in SHARED.items() for algo in ALGOS] + SPECIFIC
 

@@ -80,7 +80,7 @@ def transformer_bytes() -> float:
     [
         ("grpo", "native"),
         ("nft", "native"),
-        *(pytest.param(a, "native", marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo", "dpo")),
+        *(pytest.param(a, "native", marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo", "dpo", "elbo_grpo")),
         # crd: the algorithm whose default clip (1.0) is active here, so the norm's rounding reaches the weights
         *(pytest.param("crd", k, marks=pytest.mark.slow) for k in ("avx2", "default")),
     ],
