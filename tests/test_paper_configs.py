@@ -243,6 +243,44 @@ DPO = {
 }
 
 
+# ELBO-GRPO: the official code of "Rethinking the Design Space of RL for Diffusion Models" (line numbers not stored)
+RDS = "jaemoo-choi/rethinking-diffusion-rl@c257000 "
+RDS_SD3 = RDS + "config/sd3.py::_sd3_ode_base_config "
+ELBO_GRPO = {
+    "num_steps": (10, RDS_SD3 + "sample.num_steps"),
+    "sigma_schedule": (
+        "scheduler",
+        RDS + "src/diffusers_patch/pipeline_with_logprob_sd3.py (retrieve_timesteps, sigmas=None)",
+    ),
+    "eval_num_steps": (40, RDS_SD3 + "sample.eval_num_steps"),
+    "guidance_scale": (1.0, RDS + "scripts/sd3/*.sh GUIDANCE_SCALE=1.0, TRAIN_GUIDANCE_SCALE=1.0"),
+    "eval_guidance_scale": (1.0, RDS + "src/utils/sd3.py::eval_fn (sample.guidance_scale)"),
+    "dynamics": ("dpm2", RDS_SD3 + "sample.deterministic True, sample.solver dpm2"),
+    "resolution": (512, RDS_SD3 + "resolution"),
+    "micro_batch": (9, RDS_SD3 + "bsz 9 on 8 GPUs (train.batch_size = sample.train_batch_size)"),
+    "group_size": (24, RDS_SD3 + "num_image_per_prompt"),
+    "num_prompts": (48, RDS_SD3 + "num_groups"),
+    "grad_steps_per_epoch": (1, RDS + "scripts/sd3/*.sh GRADIENT_STEP_PER_EPOCH=1"),
+    "num_train_timesteps": (9, RDS + "config/base.py timestep_fraction 0.99 -> src/train.py int(10 x 0.99)"),
+    "timestep_range": (0.99, RDS + "src/train.py (every sampler timestep is eligible)"),
+    "elbo_weighting": ("adaptive", RDS + "scripts/sd3/*.sh ELBO=adaptive -> src/utils/__init__.py::compute_elbo"),
+    "shared_group_noise": (False, RDS + "src/utils/base.py::compute_loss (noise = randn_like(x0) per image)"),
+    "advantage_std": ("global", RDS + "config/base.py sample.global_std True"),
+    "adv_clip": (5.0, RDS + "src/utils/base.py::compute_policy_loss grpo (clamp -5, 5)"),
+    "clip_low": (1e-3, RDS + "src/utils/base.py::compute_policy_loss grpo"),
+    "clip_high": (1e-3, RDS + "src/utils/base.py::compute_policy_loss grpo"),
+    "kl_beta": (1e-4, RDS + "scripts/sd3/*.sh BETA=0.0001, KL_METHOD=girsanov (||v - v_ref||^2)"),
+    "learning_rate": (3e-4, RDS + "scripts/sd3/*.sh LEARNING_RATE=3e-4"),
+    "weight_decay": (1e-4, RDS + "config/base.py train.adam_weight_decay"),
+    "max_grad_norm": (5.0, RDS + "scripts/sd3/*.sh MAX_GRAD_NORM=5.0"),
+    "eval_ema_decay": (0.9, RDS + "src/train.py EMAModuleWrapper(decay=0.9, update_step_interval=1)"),
+    "eval_ema_interval": (1, RDS + "src/train.py EMAModuleWrapper(update_step_interval=1)"),
+    "eval_ema_repeats": (1, RDS + "src/train.py (ema.step once per gradient step)"),
+    "lora_rank": (32, RDS + "src/utils/sd3.py::get_lora_config"),
+    "lora_alpha": (64.0, RDS + "src/utils/sd3.py::get_lora_config"),
+    "base_dtype": ("float32", RDS + "src/utils/sd3.py::get_pretrained_model (the transformer stays as loaded)"),
+    "mixed_precision": (False, RDS + "config/base.py mixed_precision 'no'"),
+}
 OFFICIAL = {
     "grpo": {
         "pickscore": {
@@ -323,6 +361,7 @@ OFFICIAL = {
             "eval_ema_decay": (0.99, AWM + ":231"),
         },
     },
+    "elbo_grpo": {"pickscore": ELBO_GRPO, "ocr": ELBO_GRPO},
     "dgpo": {
         "pickscore": {
             **DGPO_BASE,
