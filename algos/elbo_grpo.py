@@ -25,7 +25,8 @@ import models  # noqa: E402,F401  (registers the model families with common)
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
-# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+# --learning-rate's default, by what is trained: AWM's (the closest method: the same FM error as its likelihood), not yet
+# tuned for ELBO-GRPO
 LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 
 
@@ -450,7 +451,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = aggregate_advantages(
+            adv = aggregate_advantages(  # Eq. 7: GRPO's group-relative advantage, the same function as algos/grpo.py
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
