@@ -464,17 +464,17 @@ def main(args: Args):
             # sample) index and micro-batches are contiguous, so any rank count computes the same thing.
             keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             idx = timestep_indices(eligible, args.num_train_timesteps, keys, args.seed, epoch)  # [B, T]
-            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=keys)  # one noise stream per key
+            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=keys)  # one noise stream per image
             batches = []
-            for j in range(args.num_train_timesteps):
-                eps = common.randn(x0.shape, train_gens).to(device)
-                for mb in range(num_micro):
-                    sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                    mb_cond = cond[sl]
+            for mb in range(num_micro):
+                sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                mb_cond = cond[sl]
+                for j in range(args.num_train_timesteps):
+                    eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)  # a group's streams draw alike
                     s = sigmas[idx[sl, j].to(sigmas.device)]  # [mb]
                     st = s.view(-1, *([1] * (x0.dim() - 1)))
-                    xt = (1 - st) * x0[sl] + st * eps[sl]
-                    v_target = eps[sl] - x0[sl]
+                    xt = (1 - st) * x0[sl] + st * eps
+                    v_target = eps - x0[sl]
                     v_ref = None
                     with torch.no_grad(), common.autocast(device, args.mixed_precision):
                         if args.kl_beta > 0:
@@ -490,7 +490,7 @@ def main(args: Args):
             }
             per_step = micro_per_step * args.num_train_timesteps
             k = 0
-            for mb_cond, sl, s, xt, v_target, old_elbo, v_ref in sorted(batches, key=lambda b: b[1].start):
+            for mb_cond, sl, s, xt, v_target, old_elbo, v_ref in batches:
                 with common.autocast(device, args.mixed_precision):
                     v = common.velocity(transformer, xt, s, mb_cond, args.guidance_scale)
                 new_elbo = elbo(v, v_target, s, args.elbo_weighting)
