@@ -39,19 +39,19 @@ class Args:
     """seed of the experiment"""
     torch_deterministic: bool = True
     """if toggled, cuDNN uses deterministic kernels"""
-    device: Optional[str] = None
+    device: run.OptionalStr = None
     """torch device; default cuda:<rank> or cpu"""
     output_dir: str = "runs"
     """runs go to <output_dir>/<run_name>/"""
-    resume: Optional[str] = None
+    resume: run.OptionalStr = None
     """a run folder, or its checkpoints/epoch_<E>, to continue from"""
     num_epochs: int = 60
     """epochs; one epoch = one rollout of M x K images + its updates"""
     eval_every: int = 10
     """evaluate every this many epochs"""
-    eval_num_steps: Optional[int] = None
+    eval_num_steps: run.OptionalInt = None
     """evaluation steps; default num_steps"""
-    eval_guidance_scale: Optional[float] = None
+    eval_guidance_scale: run.OptionalFloat = None
     """evaluation CFG; default guidance_scale"""
     eval_noises: int = 2
     """noises per held-out prompt"""
@@ -69,9 +69,9 @@ class Args:
     """if toggled, mirror the logs to Weights & Biases"""
     wandb_project_name: str = "cleanflow"
     """the wandb project name"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: run.OptionalStr = None
     """the wandb entity (team)"""
-    push_to_hub: Optional[str] = None
+    push_to_hub: run.OptionalStr = None
     """hub repo (user/name) to upload the export to"""
     mixed_precision: bool = False
     """bf16 autocast of the transformer"""
@@ -89,17 +89,17 @@ class Args:
     """encode prompts once, text encoders to cpu"""
     base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base model"""
-    resolution: Optional[int] = None
+    resolution: run.OptionalInt = None
     """image side in pixels; default native"""
-    height: Optional[int] = None
+    height: run.OptionalInt = None
     """image height; default resolution"""
-    width: Optional[int] = None
+    width: run.OptionalInt = None
     """image width; default resolution"""
-    num_frames: Optional[int] = None
+    num_frames: run.OptionalInt = None
     """frames per video (video models)"""
     negative_prompt: str = ""
     """the negative prompt of CFG"""
-    max_sequence_length: Optional[int] = None
+    max_sequence_length: run.OptionalTokens = None
     """text tokens per prompt"""
 
     # Model & sampler
@@ -107,7 +107,7 @@ class Args:
     """diffusers pipeline: a folder or a hub id"""
     reward: str = "shapes_clean"
     """reward name or weighted list "name:w,name:w" (rewards/)"""
-    eval_rewards: tuple[str, ...] = ()
+    eval_rewards: run.Names = ()
     """side metrics scored on the eval images only, eval/<name>"""
     train_prompts: str = common.TRAIN_PROMPTS
     """training prompts (.txt, or .jsonl "prompt")"""
@@ -119,7 +119,7 @@ class Args:
     """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
     guidance_scale: float = 1.0
     """CFG scale of rollout and training forward"""
-    guidance_scale_2: Optional[float] = None
+    guidance_scale_2: run.OptionalFloat = None
     """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
     """rollout dynamics (the papers: ODE; the ELBO needs only x0)"""
@@ -131,11 +131,11 @@ class Args:
     """LoRA rank r"""
     lora_alpha: float = 32.0
     """LoRA alpha (scale alpha / r)"""
-    lora_targets: Optional[tuple[str, ...]] = None
+    lora_targets: run.OptionalNames = None
     """modules that get LoRA; default the family's"""
 
     # Optimizer & batch
-    learning_rate: Optional[float] = None
+    learning_rate: run.OptionalFloat = None
     """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
@@ -224,7 +224,7 @@ def aggregate_advantages(
     aggregation: str = "sum",
     std: str = "group",
     leave_one_out: bool = False,
-    clip: Optional[float] = None,
+    clip: run.OptionalFloat = None,
 ) -> torch.Tensor:
     """Several rewards -> one advantage per sample.
 
@@ -561,4 +561,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run.run_main(main, tyro.cli(Args))
+    run.run_main(main, run.cli(Args))
