@@ -292,7 +292,9 @@ def test_grpo_trains_a_lora_by_default():
     )
 
 
-@pytest.mark.parametrize(("algo", "lora_lr"), [("crd", 1e-3), ("nft", 3e-3), ("dgpo", 1e-3), ("awm", 1e-3)])
+@pytest.mark.parametrize(
+    ("algo", "lora_lr"), [("crd", 1e-3), ("nft", 3e-3), ("dgpo", 1e-3), ("awm", 1e-3), ("elbo_grpo", 1e-3)]
+)
 def test_default_learning_rate_follows_what_is_trained(algo, lora_lr, prompt_dir, tmp_path):
     """A run left at the defaults records what it decided in args.json (a resume reads it back): every weight at lr
     1e-4 on the tiny model, the file's LoRA learning rate with --no-full-finetune; an explicit rate wins."""

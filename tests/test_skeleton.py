@@ -50,7 +50,7 @@ def test_the_shared_plumbing_is_under_banners():
 
 
 def test_every_algorithm_exists():
-    assert {p.stem for p in ALGOS} >= {"crd", "grpo", "nft", "awm", "dgpo", "dpo"}
+    assert {p.stem for p in ALGOS} >= {"crd", "grpo", "nft", "awm", "dgpo", "dpo", "elbo_grpo"}
 
 
 @pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
@@ -91,13 +91,13 @@ def top_level_sources(path: Path) -> dict:
 # schedule and update (the four with a snapshot), PPO's clipped surrogate (grpo, awm), DiffusionNFT's optimality
 # probability (nft, crd); each file holds its own copy, so a reader sees it, and the copies must not drift
 SHARED_MATH = {
-    "STD_EPS": {"awm", "crd", "dgpo", "grpo", "nft"},
-    "group_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
-    "aggregate_advantages": {"awm", "crd", "dgpo", "grpo", "nft"},
+    "STD_EPS": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
+    "group_advantages": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
+    "aggregate_advantages": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
     "get_decay": {"awm", "crd", "dgpo", "nft"},
     "update_ema": {"awm", "crd", "dgpo", "nft"},
-    "velocity_kl": {"awm", "crd", "dgpo", "grpo", "nft"},
-    "ppo_loss": {"awm", "grpo"},
+    "velocity_kl": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
+    "ppo_loss": {"awm", "elbo_grpo", "grpo"},
     "optimality_probability": {"crd", "nft"},
 }
 
