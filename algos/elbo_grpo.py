@@ -147,8 +147,8 @@ class Args:
     """K, images per prompt"""
     micro_batch: int = 16
     """per-rank micro-batch"""
-    grad_steps_per_epoch: int = 2
-    """optimizer steps per epoch"""
+    grad_steps_per_epoch: int = 1
+    """optimizer steps per epoch (1: ratio 1, as the papers' configs)"""
     num_train_timesteps: int = 4
     """T, (t, eps) draws of the ELBO per image"""
     timestep_range: float = 0.99

@@ -161,7 +161,7 @@ def test_old_elbos_come_from_the_rollout_weights_at_the_same_draws(tmp_path):
     assert {"charts/reward_mean", "charts/reward_std", "eval/shapes_clean"} <= set(two)
 
 
-MARGINS = {"jpeg_compressibility": 0.08, "jpeg_incompressibility": 0.25}  # seed 1 gave +0.17 and +0.74 (AWM's margins)
+MARGINS = {"jpeg_compressibility": 0.08, "jpeg_incompressibility": 0.25}  # seed 1 gave +0.17 and +0.63 (AWM's margins)
 
 
 @pytest.mark.slow
