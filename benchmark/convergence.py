@@ -54,6 +54,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "convergence"
 NOISES = 8
 NUM_TRAIN_SAMPLE = 30
 REPO = Path(__file__).resolve().parents[1]
+# colour-attribution captions no run trained on (written by assets/unseen_colors.py): does RL's colour binding transfer?
+UNSEEN = str(REPO / "assets" / "unseen_colors.jsonl")
 # every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
 OCR_RESULTS = RESULTS / "ocr"
 
@@ -160,6 +162,7 @@ TASKS = {
         "model": common.TINY_MODEL,
         "train": common.TRAIN_PROMPTS,
         "test": common.TEST_PROMPTS,
+        "unseen": UNSEEN,
         "flags": [],
         "eval_noises": "8",
         "metrics": shapes_metrics,
@@ -175,6 +178,7 @@ TASKS = {
         "model": str(REPO / "assets" / "tiny-text"),
         "train": str(REPO / "assets" / "text_train.jsonl"),
         "test": str(REPO / "assets" / "text_test.jsonl"),
+        "unseen": None,
         "flags": ["--reward", "ocr"],
         "eval_noises": "4",
         "metrics": ocr_metrics,
@@ -184,12 +188,15 @@ TASKS = {
 }
 
 
-def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS) -> dict:
-    """The held-out prompts and a fixed sample of 30 training prompts, evenly spaced (every 6th of the 188 shapes
-    prompts, so all categories)."""
+def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS, unseen_file: str = None) -> dict:
+    """The held-out prompts, a fixed sample of 30 training prompts, evenly spaced (every 6th of the 188 shapes
+    prompts, so all categories), and with `unseen_file` (tiny-shapes: `UNSEEN`) the prompts of that file."""
     train = common.load_prompts(train_file)
     step = max(1, len(train) // NUM_TRAIN_SAMPLE)
-    return {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
+    sets = {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
+    if unseen_file:
+        sets["unseen"] = common.load_prompts(unseen_file)
+    return sets
 
 
 def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics) -> dict:
@@ -265,6 +272,7 @@ def base_row(m: dict, guidance_scale: float, name: str) -> dict:
 
 
 def cmd_base(args, sets):
+    sets = {name: prompts for name, prompts in sets.items() if name in args.sets}
     for cfg in (1.0, 4.5):
         for name, m in base_scores(args.model, sets, cfg, metrics=args.task["metrics"]).items():
             row = base_row(m, cfg, name)
@@ -507,7 +515,7 @@ def prompt_kinds(task: dict, prompts: list) -> list:
     """Each prompt's category from the task's prompt files (tiny-shapes: single_object, two_object, counting, colors,
     color_attr, position); "all" where a file has none (OCR)."""
     kind = {}
-    for path in (task["train"], task["test"]):
+    for path in (task["train"], task["test"], task["unseen"]):
         if str(path).endswith(".jsonl"):
             for line in Path(path).read_text().splitlines():
                 if line.strip():
@@ -753,7 +761,13 @@ def main():
     ap.add_argument("--results", type=Path, default=None, help="default: the task's results folder")
     ap.add_argument("--noises", type=int, default=NOISES, help="final: noises per prompt (noise n: seed 1000 n)")
     ap.add_argument("--guidance-scale", type=float, default=0, help="final: sample at this CFG (default: the run's own)")
-    ap.add_argument("--sets", nargs="+", default=["test", "train"], choices=["test", "train"], help="final: prompt sets")
+    ap.add_argument(
+        "--sets",
+        nargs="+",
+        default=["test", "train"],
+        choices=["test", "train", "unseen"],
+        help="final, base: prompt sets (unseen: assets/unseen_colors.jsonl, tiny-shapes only)",
+    )
     args = ap.parse_args()
     if args.noises < 1:
         ap.error(f"--noises {args.noises}: must be >= 1")
@@ -769,7 +783,9 @@ def main():
     if args.command not in ("table", "categories") and not (Path(args.model) / "model_index.json").is_file():
         ap.error(f"--model {args.model}: not a pipeline folder (no model_index.json)")
     args.results = args.results or args.task["results"]
-    sets = prompt_sets(args.task["train"], args.task["test"])
+    if "unseen" in args.sets and not args.task["unseen"]:
+        ap.error("--sets unseen: the unseen colour-attribution prompts are tiny-shapes prompts (not --task ocr)")
+    sets = prompt_sets(args.task["train"], args.task["test"], args.task["unseen"])
     commands = {"train": cmd_train, "base": cmd_base, "final": cmd_final, "extract": cmd_extract, "table": cmd_table}
     commands["roundtrip"] = cmd_roundtrip
     commands["categories"] = cmd_categories
