@@ -318,6 +318,10 @@ def test_full_size_configs_have_the_published_sizes():
             ["base", "--task", "ocr", "--model", "{tmp}/no_model"],
             "--model {tmp}/no_model: not a pipeline folder (no model_index.json)",
         ),
+        (
+            ["base", "--task", "ocr", "--sets", "unseen"],
+            "--sets unseen: the unseen colour-attribution prompts are tiny-shapes prompts (not --task ocr)",
+        ),
     ],
 )
 def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
@@ -328,6 +332,30 @@ def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
     r = run_script(argv, check=False, timeout=120)
     assert r.returncode == 2 and not results.exists()
     assert r.stderr.strip().splitlines()[-1] == f"convergence.py: error: {message.format(**fill)}"
+
+
+def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_prompt_file():
+    """`--sets unseen` (convergence.UNSEEN): every prompt a colour-attribution caption of the grammar, none a training
+    or held-out caption, each asking for a colour-shape pair no training caption names, in test.jsonl's fields."""
+    import json
+
+    import common
+    from assets import world
+    from benchmark.convergence import UNSEEN, prompt_sets
+
+    sets = prompt_sets(unseen_file=UNSEEN)
+    assert set(prompt_sets()) == {"test", "train"}  # without the file, the sets of before
+    rows = [json.loads(line) for line in Path(UNSEEN).read_text().splitlines()]
+    assert sets["unseen"] == [r["prompt"] for r in rows] and len(set(sets["unseen"])) == 30
+    test_keys = set(json.loads((REPO / "assets" / "test.jsonl").read_text().splitlines()[0]))
+    grammar = {prompt: (cat, spec) for cat, prompt, spec in world.all_prompts()}
+    train, test = set(common.load_prompts(common.TRAIN_PROMPTS)), set(common.load_prompts(common.TEST_PROMPTS))
+    trained_pairs = {tuple(o) for p in train for o in grammar[p][1]}
+    for r in rows:
+        assert set(r) == test_keys and r["category"] == "color_attr" and r["held_out"]
+        assert grammar[r["prompt"]][0] == "color_attr"
+        assert r["prompt"] not in train | test
+        assert any(tuple(o) not in trained_pairs for o in grammar[r["prompt"]][1])
 
 
 def test_base_row_gives_best_of_k_only_up_to_its_noises():
