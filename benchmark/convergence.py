@@ -343,6 +343,15 @@ def cmd_final(args, sets):
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
+def export_weights(run: Path) -> bool:
+    """Whether a run's export folder holds weights; True for a run with no export yet (`final` skips it)."""
+    if (run / "transformer").is_dir():
+        return (run / "transformer" / "config.json").is_file()
+    if (run / "lora").is_dir():
+        return any((run / "lora").glob("*.safetensors"))
+    return True
+
+
 def working_seconds(times: list, until: float, pause: float = 300.0) -> float:
     """Seconds a run worked up to wall time `until`, from the sorted wall times of its logged events: a gap longer than
     `pause` between two events (a stop and a later --resume) is left out."""
@@ -777,6 +786,10 @@ def main():
         missing = [r for r in args.runs if not (Path(r) / "args.json").is_file()]
         if missing:
             ap.error(f"{missing[0]}: not a run folder (no args.json)")
+        # a committed export may keep only its README (the weights restored or remade from it): say so before any work
+        weightless = [r for r in args.runs if not export_weights(Path(r))]
+        if args.command == "final" and weightless:
+            ap.error(f"{weightless[0]}: its export has no weights (restore them as its README says)")
     torch.set_num_threads(1)
     args.task = TASKS[args.task]
     args.model = args.model or args.task["model"]

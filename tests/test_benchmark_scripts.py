@@ -313,6 +313,7 @@ def test_full_size_configs_have_the_published_sizes():
     [
         (["final", "{tmp}/no_run"], "{tmp}/no_run: not a run folder (no args.json)"),
         (["final", "{export}", "--noises", "0"], "--noises 0: must be >= 1"),
+        (["final", "{weightless}"], "{weightless}: its export has no weights (restore them as its README says)"),
         (["final", "{export}", "--guidance-scale", "-1"], "--guidance-scale -1: must be >= 0 (0: each run's own)"),
         (
             ["base", "--task", "ocr", "--model", "{tmp}/no_model"],
@@ -326,7 +327,7 @@ def test_full_size_configs_have_the_published_sizes():
 )
 def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
     export = REPO / "benchmark" / "results" / "convergence" / "leg2" / "crd_full_lr1e-4__s1"
-    fill = {"tmp": tmp_path, "export": export}
+    fill = {"tmp": tmp_path, "export": export, "weightless": export.with_name("crd_full_lr1e-4__s2")}
     results = tmp_path / "results"
     argv = ["benchmark/convergence.py", *(a.format(**fill) for a in argv), "--results", results]
     r = run_script(argv, check=False, timeout=120)
