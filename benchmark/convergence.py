@@ -3,6 +3,7 @@
     python benchmark/convergence.py train SETTING [...] --seeds 1 2 3 --jobs 2   # train (or resume) the runs
     python benchmark/convergence.py base                                   # base at CFG 1 / 4.5, best-of-k, both prompt sets
     python benchmark/convergence.py final RUN [RUN ...]                    # each run's exported LoRA, both prompt sets
+    python benchmark/convergence.py final RUN [...] --sets unseen train    # ... on never-trained colour attribution too
     python benchmark/convergence.py table  [--results DIR]                 # tables + plots from the jsonl files
     python benchmark/convergence.py roundtrip                              # rendered scenes through the VAE and the scorer
     python benchmark/convergence.py categories [--results DIR]             # exact per kind of prompt, base and exports
