@@ -33,7 +33,7 @@ def read(path):
 
 
 print(f"unseen: {len(prompt_sets(unseen_file=UNSEEN)['unseen'])} prompts; training sample: {colour.sum()} of its")
-print(f"{len(colour)} prompts are colour attribution. Noises: 16 per prompt (seeds 0, 1000, ..., 15000).\n")
+print(f"{len(colour)} prompts are colour attribution. Noises: 16 per prompt (seeds 0, 1000, ..., 15000) in the first table.\n")
 print(
     "| model | export (benchmark/results/convergence/...) | images | CFG | unseen exact | vs base CFG 1 | vs base CFG 4.5 "
     "| train colour-attr exact | vs base CFG 1 | vs base CFG 4.5 |"
@@ -57,3 +57,14 @@ for model in ("tiny-shapes", "tiny-shapes-8"):  # each model's results folder
             f"| {model} | {SOURCES[model].get(r['run'], 'leg2')}/{r['run']} | {r['images']:,} | {r['guidance_scale']:g} "
             f"| {r['exact']:.3f} | {unseen[0]} | {unseen[1]} | {train[colour].mean():.3f} | {gains[0]} | {gains[1]} |"
         )
+
+# the unseen set again on 32 noises (noises 0-15 the same as above), the base and the exports only
+print("\n| model | export | unseen exact, 32 noises | vs base CFG 1 | vs base CFG 4.5 |")
+print("|---|---|---|---|---|")
+for model in ("tiny-shapes", "tiny-shapes-8"):
+    base = {r["guidance_scale"]: r for r in read(HERE / model / "noises32" / "base.jsonl") if r["set"] == "unseen"}
+    for cfg, r in sorted(base.items()):
+        print(f"| {model} | base, CFG {cfg:g} | {mean_se(r['exact_per_prompt'])} | | |")
+    for r in read(HERE / model / "noises32" / "final.jsonl"):
+        gains = [f"{r[f'exact_gain_{k}']:+.3f} ± {r[f'exact_gain_{k}_se']:.3f}" for k in ("cfg1", "cfg4.5")]
+        print(f"| {model} | {SOURCES[model].get(r['run'], 'leg2')}/{r['run']} | {r['exact']:.3f} | {gains[0]} | {gains[1]} |")
