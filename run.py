@@ -25,7 +25,7 @@ import torch
 import tyro
 
 from checkpoints import check_checkpoint_fields, find_checkpoint, load_checkpoint, script_name
-from common import FAMILIES, UserError
+from common import FAMILIES, REPO, UserError
 from distributed import check_device, env_ranks
 from export import EXPORT_NAMES, LORA_ARGS
 from models import check_model_folder, compile_unavailable, pipeline_config
@@ -161,6 +161,9 @@ OptionalStr = Annotated[Optional[str], tyro.conf.arg(metavar="STR")]
 Names = Annotated[tuple[str, ...], tyro.conf.arg(metavar="NAME ...")]
 OptionalNames = Annotated[Optional[tuple[str, ...]], tyro.conf.arg(metavar="NAME ...")]
 OptionalTokens = Annotated[Optional[int], tyro.conf.arg(metavar="N")]  # --max-sequence-length INT is a column too wide
+# A default inside the repository is shown relative to it: the help reads the same in every clone, and a long clone path
+# does not wrap the line
+RepoPath = Annotated[str, tyro.conf.arg(help_behavior_hint=lambda path: f"(default: <repo>/{Path(path).relative_to(REPO)})")]
 
 
 SAFE_OVERRIDES = (

@@ -105,15 +105,15 @@ class Args:
     """text tokens per prompt"""
 
     # Model & sampler
-    model: str = common.TINY_MODEL
+    model: run.RepoPath = common.TINY_MODEL
     """diffusers pipeline: a folder or a hub id"""
     reward: str = "shapes_clean"
     """reward name or weighted list "name:w,name:w" (rewards/)"""
     eval_rewards: run.Names = ()
     """side metrics scored on the eval images only, eval/<name>"""
-    train_prompts: str = common.TRAIN_PROMPTS
+    train_prompts: run.RepoPath = common.TRAIN_PROMPTS
     """training prompts (.txt, or .jsonl "prompt")"""
-    test_prompts: str = common.TEST_PROMPTS
+    test_prompts: run.RepoPath = common.TEST_PROMPTS
     """held-out prompts for evaluation"""
     num_steps: int = 10
     """N, sampling steps"""
