@@ -161,6 +161,15 @@ def kernel_env(request) -> dict:
     return kernel_environ(request.param)
 
 
+def scalars(run_dir) -> dict:
+    """{tag: [values]} of every scalar a run logged to TensorBoard (the run folder's events files)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def run_script(argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, env=None, python: bool = True):
     """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group.
 

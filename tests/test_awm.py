@@ -1,12 +1,11 @@
 """AWM: loss pieces against explicit numpy / per-sample loops, the two-pass ratio, and a short run that must learn."""
 
-import glob
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_script, scalars
 
 from algos import awm
 
@@ -135,19 +134,10 @@ def test_velocity_kl_and_ema():
         assert e[0].tolist() == pytest.approx(expected)
 
 
-def _scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = glob.glob(str(run_dir / "events.out.tfevents.*"))
-    acc = EventAccumulator(events, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def _run(tmp_path, flags):
     run_script(["algos/awm.py", "--output-dir", tmp_path / "runs", *flags.split()])
     (run_dir,) = (tmp_path / "runs").iterdir()
-    return _scalars(run_dir)
+    return scalars(run_dir)
 
 
 def test_old_log_probs_are_precomputed_under_the_sampling_policy(tmp_path):

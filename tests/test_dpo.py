@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_in_process, run_script
+from conftest import run_in_process, run_script, scalars
 from PIL import Image
 
 import checkpoints
@@ -174,14 +174,6 @@ def test_online_flags_with_pairs_are_refused(tmp_path, capsys):
     assert rc == 2 and "--pairs-per-group: an online setting" in capsys.readouterr().err
 
 
-def _scalars(run_dir: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-
-
 def test_offline_dpo_runs_and_resumes_exactly(tmp_path):
     """Offline DPO from tiny-shapes renders: 2 epochs write the usual artifacts and the DPO metrics; 1 epoch then
     --resume to 2 ends bit for bit where the uninterrupted run did (the file is read and encoded again on resume)."""
@@ -189,7 +181,7 @@ def test_offline_dpo_runs_and_resumes_exactly(tmp_path):
     run_script(["algos/dpo.py", *offline_argv(tmp_path, pairs, "--num-epochs", "2", "--eval-every", "1")])
     (a_dir,) = (tmp_path / "runs").iterdir()
     assert (a_dir / "transformer" / "diffusion_pytorch_model.safetensors").is_file()  # the export (every weight trained)
-    logged = _scalars(a_dir)
+    logged = scalars(a_dir)
     for tag in ("losses/policy_loss", "losses/implicit_acc", "losses/margin", "losses/grad_norm", "eval/shapes_clean"):
         assert tag in logged, tag
     assert logged["charts/pairs"] == [4.0, 4.0]  # M K / 2 pairs per epoch
@@ -211,7 +203,7 @@ def test_offline_chosen_only_is_sft(tmp_path):
     out = run_script(["algos/dpo.py", *offline_argv(tmp_path, pairs, "--num-epochs", "1", "--eval-every", "5")])
     assert "offline SFT (4 lines)" in out.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
-    logged = _scalars(run_dir)
+    logged = scalars(run_dir)
     assert "losses/policy_loss" in logged and "losses/implicit_acc" not in logged and logged["charts/pairs"] == [0.0]
     # the flow-matching loss of a pretrained model on its own world's images: well below the loss of a zero velocity
     assert 0 < logged["losses/policy_loss"][0] < 1.0
@@ -238,7 +230,7 @@ def test_online_dpo_learns_both_directions(reward, tmp_path):
     )
     run_script(cmd.split())
     (run_dir,) = (tmp_path / "runs").iterdir()
-    logged = _scalars(run_dir)
+    logged = scalars(run_dir)
     curve, train = logged[f"eval/{reward}"], logged["charts/reward_mean"]
     assert len(curve) == 2 and len(train) == 6
     assert curve[1] - curve[0] > MIN_GAIN[reward], curve

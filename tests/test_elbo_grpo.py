@@ -1,13 +1,12 @@
 """ELBO-GRPO: the ELBO estimate and the clipped ratio surrogate against explicit numpy / per-sample loops, the shared
 (t, eps) draws, the ratio of exactly 1 before the first update, and a short run that must learn."""
 
-import glob
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_script, scalars
 
 import common
 from algos import elbo_grpo
@@ -129,19 +128,10 @@ def test_timestep_draws_are_stratified_and_shared_by_a_key():
     assert len(draws) > 8
 
 
-def _scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = glob.glob(str(run_dir / "events.out.tfevents.*"))
-    acc = EventAccumulator(events, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def _run(tmp_path, flags):
     run_script(["algos/elbo_grpo.py", "--output-dir", tmp_path / "runs", *flags.split()])
     (run_dir,) = (tmp_path / "runs").iterdir()
-    return _scalars(run_dir)
+    return scalars(run_dir)
 
 
 def test_old_elbos_come_from_the_rollout_weights_at_the_same_draws(tmp_path):
