@@ -154,13 +154,19 @@ def seed_everything(seed: int, torch_deterministic: bool = True):
 # flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
 # `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
 # The scripts' optional flags, labelled by their type in --help: tyro's own label ("{None}|INT") is long enough to push
-# the flag onto a line of its own. `None` stays the default, and "None" on the command line still means it.
-OptionalInt = Annotated[Optional[int], tyro.conf.arg(metavar="INT")]
-OptionalFloat = Annotated[Optional[float], tyro.conf.arg(metavar="FLOAT")]
-OptionalStr = Annotated[Optional[str], tyro.conf.arg(metavar="STR")]
+# the flag onto a line of its own. `None` stays the default, and "None" on the command line still means it; --help says
+# "(optional)" instead of "(default: None)", and the docstring says what the script does without the flag.
+OptionalInt = Annotated[Optional[int], tyro.conf.arg(metavar="INT", help_behavior_hint="(optional)")]
+OptionalFloat = Annotated[Optional[float], tyro.conf.arg(metavar="FLOAT", help_behavior_hint="(optional)")]
+OptionalStr = Annotated[Optional[str], tyro.conf.arg(metavar="STR", help_behavior_hint="(optional)")]
 Names = Annotated[tuple[str, ...], tyro.conf.arg(metavar="NAME ...")]
-OptionalNames = Annotated[Optional[tuple[str, ...]], tyro.conf.arg(metavar="NAME ...")]
-OptionalTokens = Annotated[Optional[int], tyro.conf.arg(metavar="N")]  # --max-sequence-length INT is a column too wide
+OptionalNames = Annotated[Optional[tuple[str, ...]], tyro.conf.arg(metavar="NAME ...", help_behavior_hint="(optional)")]
+# --max-sequence-length INT is a column too wide
+OptionalTokens = Annotated[Optional[int], tyro.conf.arg(metavar="N", help_behavior_hint="(optional)")]
+# --full-finetune's default is decided from the model's size once it loads; None is not a value on the command line
+AutoBool = Annotated[
+    tyro.conf.DisallowNone[Optional[bool]], tyro.conf.arg(help_behavior_hint="(default: on under 50M weights)")
+]
 # A default inside the repository is shown relative to it: the help reads the same in every clone, and a long clone path
 # does not wrap the line
 RepoPath = Annotated[str, tyro.conf.arg(help_behavior_hint=lambda path: f"(default: <repo>/{Path(path).relative_to(REPO)})")]

@@ -124,8 +124,8 @@ class Args:
     """rollout dynamics"""
     eta: float = 0.7
     """noise level of the SDE dynamics"""
-    full_finetune: tyro.conf.DisallowNone[Optional[bool]] = None
-    """train every transformer weight (fp32), no LoRA; None: if under 50M weights"""
+    full_finetune: run.AutoBool = None
+    """train every transformer weight (fp32), no LoRA"""
     lora_rank: int = 16
     """LoRA rank r"""
     lora_alpha: float = 32.0
