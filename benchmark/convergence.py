@@ -129,6 +129,10 @@ SETTINGS = {
     "grpo_indep_globalstd": ("grpo", ["--no-shared-group-noise", "--advantage-std", "global"]),
     # a 5x lower learning rate for 4x the images: the same summed step size, less random walk (tiny-shapes-8, leg 10)
     "grpo_lr1e-4": ("grpo", ["--learning-rate", "1e-4"]),
+    # AWM's collapse on tiny-shapes-8 past ~5,000 images (leg 10): its KL to the base at 0.01 balances the advantage
+    # term only when v drifts ~17 from v_ref (the ghuber gradient at the base's FM error); 10x and 100x (leg 12)
+    "awm_full_kl0.1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1"]),
+    "awm_full_kl1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "1.0"]),
 }
 # settings that run an algorithm file through a wrapper script instead of directly
 SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "studies" / "shuffled_advantages.py"}
