@@ -159,8 +159,10 @@ class Args:
     """python slice of the step indices that may be stochastic"""
     num_sde_steps: int = 4
     """stochastic (and trained) steps per trajectory"""
-    window_mode: Literal["subset", "contiguous"] = "subset"
-    """the SDE steps: a random subset of the window, or a contiguous run"""
+    window_mode: Literal["subset", "contiguous", "sliding"] = "subset"
+    """SDE steps of the window: random subset, random run, sliding run (MixGRPO)"""
+    window_shift: tuple[int, int] = (25, 1)
+    """sliding: tau s, move the run s steps later every tau epochs (MixGRPO: 25 1)"""
     zero_adv_filter: bool = False
     """drop zero-advantage samples from the loss mean"""
     log_prob_form: Literal["gaussian", "mse"] = "gaussian"
@@ -314,9 +316,20 @@ def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
     return (kept * kept.shape[1] / kept.sum(1, keepdim=True).clamp_min(1)).view(-1)
 
 
-def sde_window_steps(window: list, count: int, mode: str, generator: torch.Generator) -> list:
-    """The epoch's stochastic steps: `count` of `window`, a random subset ("subset") or a run of consecutive steps with
-    a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range)."""
+def sde_window_steps(
+    window: list, count: int, mode: str, generator: torch.Generator, epoch: int = 0, shift: tuple = (25, 1)
+) -> list:
+    """The epoch's stochastic steps: `count` of `window`, a random subset ("subset"), a run of consecutive steps with
+    a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range), or
+    MixGRPO's sliding window ("sliding", arXiv 2507.21802; official fastvideo/utils/grpo_states.py, strategy
+    "progressive" with --roll_back): the run starts at the window's first step and moves `stride` steps later every
+    `interval` epochs, back to the start once it would leave the window. Sliding draws nothing from `generator`: the
+    run depends on the epoch alone, so a resume continues it."""
+    if mode == "sliding":
+        interval, stride = shift
+        starts = (len(window) - count) // stride + 1  # l = 0, s, 2s, ... while the run of `count` fits
+        start = (epoch // interval) % starts * stride
+        return window[start : start + count]
     if mode == "contiguous":
         start = int(torch.randint(len(window) - count + 1, (1,), generator=generator))
         return window[start : start + count]
@@ -344,6 +357,8 @@ def main(args: Args):
         raise common.UserError(
             f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
         )
+    if min(args.window_shift) < 1:
+        raise common.UserError(f"--window-shift {' '.join(map(str, args.window_shift))}: tau and s must be >= 1")
 
     # TRY NOT TO MODIFY: batch geometry
     if args.group_size < 2:
@@ -457,7 +472,7 @@ def main(args: Args):
             cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
-            sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
+            sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen, epoch, args.window_shift)
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             noise = common.randn(
                 (local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys)

@@ -172,3 +172,49 @@ def test_paper_options_run_end_to_end(tmp_path, capsys):
     ):
         out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
+
+
+def test_sliding_window_moves_every_tau_epochs_and_rolls_back():
+    """MixGRPO's progressive window, simulated independently as its official scheduler does it (a counter of
+    iterations in the group; every tau of them the start moves s steps; past the last start that keeps w steps inside
+    the window it rolls back to the first)."""
+    window, w, tau, s = [1, 2, 3, 4, 5, 6, 7, 8], 4, 3, 2
+    start, in_group, expected = 0, 0, []
+    for _ in range(60):
+        expected.append(window[start : start + w])
+        in_group += 1
+        if in_group == tau:
+            in_group, start = 0, start + s
+            if start + w > len(window):
+                start = 0
+    gen = torch.Generator().manual_seed(0)
+    ours = [grpo.sde_window_steps(window, w, "sliding", gen, epoch, (tau, s)) for epoch in range(60)]
+    assert ours == expected
+    assert {tuple(x) for x in ours} == {(1, 2, 3, 4), (3, 4, 5, 6), (5, 6, 7, 8)}
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # draws nothing: resume-exact
+
+
+def test_sliding_window_rollout_is_ode_outside_the_window(random_pipeline_dir):
+    """MixGRPO's mixed rollout: two different noise streams give the same trajectory up to the window (ODE before it),
+    branch inside it, and carry log-probs only there (ODE after it: the deterministic steps have log-prob 0)."""
+    import models
+
+    pipe = models.load_pipeline(random_pipeline_dir, torch.device("cpu"))
+    cond = common.PromptEncoder(pipe).cond(["a red circle", "a blue square"], negative=False)
+    steps = grpo.sde_window_steps(list(range(1, 9)), 3, "sliding", torch.Generator(), epoch=7, shift=(2, 1))
+    assert steps == [4, 5, 6]
+    noise = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(3))
+
+    def rollout(seed):
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(2)]
+        kw = dict(
+            num_steps=10, noise=noise, dynamics="Flow-SDE", eta=0.7, keep_trajectory=True, latent_shape=pipe.latent_shape
+        )
+        return common.sample(pipe.transformer, pipe.scheduler, cond, sde_steps=steps, generator=gens, **kw)
+
+    a, b = rollout(10), rollout(20)
+    torch.testing.assert_close(a.trajectory[:, : steps[0] + 1], b.trajectory[:, : steps[0] + 1], atol=0, rtol=0)
+    assert not torch.allclose(a.trajectory[:, steps[0] + 1], b.trajectory[:, steps[0] + 1])
+    outside = [i for i in range(10) if i not in steps]
+    assert (a.log_probs[:, outside] == 0).all() and (a.log_probs[:, steps] != 0).all()
+    assert a.sde_mask.nonzero().view(-1).tolist() == steps
