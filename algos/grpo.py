@@ -171,6 +171,8 @@ class Args:
     """GRPO-Guard RatioNorm of the log-ratio (arXiv 2510.22319)"""
     guard_reweight: bool = True
     """with grpo_guard: weight each step's loss by 1 / |dt|"""
+    noise_weight: float = 0.0
+    """TempFlow-GRPO: a step's policy loss x c x its std (0 = off; official 2.25)"""
     shared_group_noise: bool = True
     """a group's K images share their initial noise"""
     num_inner_epochs: int = 1
@@ -309,6 +311,15 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
     return (log_prob - old_log_prob + bias) * std.reshape(-1)
 
 
+def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
+    """TempFlow-GRPO's noise-aware weighting (arXiv 2508.04324): [batch] weights c s of one step's policy term, where s is
+    the step's std (Flow-SDE: s = sigma_t sqrt(|dt|)), so the high-noise early steps, where a perturbation changes the
+    image most, get the larger steps. The official code (train_sd3.py, train_sd3_pr.py) multiplies the PPO terms by
+    2.25 std_dev_t sqrt(-dt), not the KL; 2.25 is about 1 / the mean std over SD3.5's 10 steps at eta 0.7."""
+    std = std.reshape(-1).float()
+    return scale * (std.expand(batch) if std.numel() == 1 else std)
+
+
 def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
     """[total] weights that drop samples with advantage exactly 0 from the mean of their optimizer step (official
     flow_grpo filters them out of the batch): kept / (kept share of the step), 0 for a step with nothing kept."""
@@ -357,6 +368,10 @@ def main(args: Args):
         raise common.UserError(
             f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
         )
+    if args.noise_weight < 0:
+        raise common.UserError(f"--noise-weight {args.noise_weight}: must be >= 0 (0 = off)")
+    if args.noise_weight > 0 and args.grpo_guard and args.guard_reweight:
+        raise common.UserError("--noise-weight and --grpo-guard's --guard-reweight both weight the steps: pick one")
     if min(args.window_shift) < 1:
         raise common.UserError(f"--window-shift {' '.join(map(str, args.window_shift))}: tau and s must be >= 1")
 
@@ -546,13 +561,12 @@ def main(args: Args):
                         if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
                             log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[sl, i], std)
                             old_log_prob = torch.zeros_like(log_prob)
+                        step_weight = None if weight is None else weight[sl]
+                        if args.noise_weight > 0:  # TempFlow-GRPO: the policy term scaled by c x the step's std
+                            nw = noise_weights(std, x.shape[0], args.noise_weight)
+                            step_weight = nw if step_weight is None else step_weight * nw
                         policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                            log_prob,
-                            old_log_prob,
-                            adv[sl],
-                            args.clip_low,
-                            args.clip_high,
-                            None if weight is None else weight[sl],
+                            log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, step_weight
                         )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])

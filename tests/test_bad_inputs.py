@@ -113,6 +113,8 @@ SPECIFIC = [
     ("grpo", "--window-mode sliding --window-shift 0 1", "--window-shift 0 1: tau and s must be >= 1"),
     ("grpo", "--window-mode sliding --num-sde-steps 5", "num_sde_steps (5) must be between 1 and the SDE window size"),
     ("grpo", "--window-mode sliding --dynamics ODE", "Flow-GRPO needs per-step log-probs"),
+    ("grpo", "--noise-weight=-1", "--noise-weight -1.0: must be >= 0"),
+    ("grpo", "--noise-weight 2.25 --grpo-guard", "--noise-weight and --grpo-guard's --guard-reweight both weight"),
     ("nft", "--nft-beta 0", "nft_beta (0.0) must be > 0"),
     ("nft", "--old-decay-max 2", "--old-decay-max 2.0: must be in [0, 1]"),
     ("crd", "--micro-batch 2", "must hold whole groups"),

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import run_in_process, run_script
+from conftest import run_in_process, run_script, scalars
 
 import common
 from algos import grpo
@@ -218,3 +218,42 @@ def test_sliding_window_rollout_is_ode_outside_the_window(random_pipeline_dir):
     outside = [i for i in range(10) if i not in steps]
     assert (a.log_probs[:, outside] == 0).all() and (a.log_probs[:, steps] != 0).all()
     assert a.sde_mask.nonzero().view(-1).tolist() == steps
+
+
+def test_noise_weighted_ppo_loss_matches_numpy():
+    """TempFlow-GRPO: each step's PPO terms times c s_t, s_t = eta sqrt(sigma / (1 - sigma)) sqrt(|dt|) computed here in
+    numpy from the sigmas alone (Flow-SDE); the KL is not weighted. The early (noisier) step weighs more, by s / s'."""
+    g = torch.Generator().manual_seed(5)
+    logp = (1e-3 * torch.randn(4, generator=g, dtype=torch.float64)).requires_grad_()
+    old, adv = torch.zeros(4, dtype=torch.float64), torch.tensor([1.0, -2.0, 0.5, -1.0], dtype=torch.float64)
+    eta, c, x, v = 0.7, 2.25, torch.zeros(4, 2, 3, 3), torch.zeros(4, 2, 3, 3)
+    losses = {}
+    for s, s_next in ((0.9, 0.8), (0.3, 0.2)):
+        std = common.sde_step(x, v, s, s_next, "Flow-SDE", eta)[3]
+        w = grpo.noise_weights(std, 4, c)
+        loss = grpo.ppo_loss(logp, old, adv, 1e-3, 1e-3, w.double())[0]
+        std_np = eta * np.sqrt(s / (1 - s)) * np.sqrt(s - s_next)
+        ref = [
+            c * std_np * max(-a * np.exp(lp), -a * min(max(np.exp(lp), 1 - 1e-3), 1 + 1e-3))
+            for lp, a in zip(logp.detach().numpy(), adv.numpy())
+        ]
+        assert loss.item() == pytest.approx(np.mean(ref), rel=1e-5)
+        losses[s] = (loss.item(), std_np)
+    (early, s_early), (late, s_late) = losses[0.9], losses[0.3]
+    assert s_early > s_late and early / late == pytest.approx(s_early / s_late, rel=1e-5)
+    per_sample = grpo.noise_weights(torch.tensor([0.1, 0.2]).view(2, 1, 1, 1), 2, 2.0)  # CPS-style per-sample stds
+    torch.testing.assert_close(per_sample, torch.tensor([0.2, 0.4]))
+
+
+def test_sliding_window_and_noise_weight_train_end_to_end(tmp_path):
+    """MixGRPO's window moves in the training loop (tau = 1: one step later each epoch, rolling back), with TempFlow's
+    noise weights on; the logged mean trained step is the window of each epoch."""
+    (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
+    flags = (
+        f"--train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 --group-size 4 "
+        "--micro-batch 4 --num-steps 5 --num-epochs 4 --grad-steps-per-epoch 1 --eval-every 5 "
+        f"--window-mode sliding --window-shift 1 1 --num-sde-steps 2 --noise-weight 2.25 --output-dir {tmp_path / 'runs'}"
+    )
+    run_script(["algos/grpo.py", *flags.split()])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert scalars(run_dir)["charts/sde_steps_mean"] == [1.5, 2.5, 1.5, 2.5]  # window 1..3: runs [1, 2], [2, 3]
