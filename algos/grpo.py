@@ -181,6 +181,8 @@ class Args:
     """PPO clip below: ratio >= 1 - clip_low"""
     clip_high: float = 1e-3
     """PPO clip above: ratio <= 1 + clip_high"""
+    kl_mask: float = 0.0
+    """Flow-DPPO: KL threshold of the mask that replaces the clip (0 = PPO clip)"""
     leave_one_out: bool = False
     """RLOO baseline: the mean of the other K-1 rewards"""
     kl_beta: float = 0.0
@@ -278,6 +280,25 @@ def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, wei
     return loss, ratio.detach(), approx_kl, clipfrac
 
 
+def kl_mask_loss(log_prob, old_log_prob, mean, old_mean, std, adv, threshold: float, weight=None):
+    """Flow-DPPO's surrogate (arXiv 2606.11025): PPO's ratio without the clip, each term dropped when its step left the
+    trust region in the direction it is pushed. Returns (loss, ratio, approx_kl, maskfrac), maskfrac = share dropped.
+
+    The rollout's step and the current one are Gaussians of the same std s, so their KL is exact (Eq. 14), here the
+    per-element mean D = mean (mu - mu_old)^2 / (2 s^2) as in the official code (its threshold 1e-5 is on this scale).
+    A term is dropped when D >= threshold and it moves further away: r > 1 with A > 0, or r < 1 with A < 0 (Eq. 18);
+    a step back towards the rollout policy, or any step inside the region, keeps its gradient."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    kl = gaussian_kl(mean.detach(), old_mean, std)  # Eq. 14, per sample
+    away = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
+    drop = ((kl >= threshold) & away).detach()  # Eq. 18
+    terms = torch.where(drop, torch.zeros_like(ratio), -adv * ratio)
+    loss = (terms if weight is None else weight * terms).mean()
+    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
+    return loss, ratio.detach(), approx_kl, drop.float().mean()
+
+
 def velocity_kl(v, v_ref) -> torch.Tensor:
     """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
     the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
@@ -368,6 +389,12 @@ def main(args: Args):
         raise common.UserError(
             f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
         )
+    if args.kl_mask < 0:
+        raise common.UserError(f"--kl-mask {args.kl_mask}: must be >= 0 (0 = PPO's ratio clip)")
+    if args.kl_mask > 0 and args.grpo_guard:
+        raise common.UserError("--kl-mask replaces the ratio clip that --grpo-guard normalises: pick one")
+    if args.kl_mask > 0 and run.given_flags(args) & {"clip_low", "clip_high"}:
+        raise common.UserError("--clip-low/--clip-high: --kl-mask replaces PPO's clip, so they would be unused; drop them")
     if args.noise_weight < 0:
         raise common.UserError(f"--noise-weight {args.noise_weight}: must be >= 0 (0 = off)")
     if args.noise_weight > 0 and args.grpo_guard and args.guard_reweight:
@@ -508,7 +535,7 @@ def main(args: Args):
                 use_autocast=args.mixed_precision,
                 schedule=args.sigma_schedule,
                 log_prob_form=args.log_prob_form,
-                keep_means=args.grpo_guard,
+                keep_means=args.grpo_guard or args.kl_mask > 0,
                 chunk=scorer.chunk,
                 on_chunk=scorer,
             )
@@ -565,9 +592,14 @@ def main(args: Args):
                         if args.noise_weight > 0:  # TempFlow-GRPO: the policy term scaled by c x the step's std
                             nw = noise_weights(std, x.shape[0], args.noise_weight)
                             step_weight = nw if step_weight is None else step_weight * nw
-                        policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                            log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, step_weight
-                        )
+                        if args.kl_mask > 0:  # Flow-DPPO: the KL trust-region mask instead of the clip
+                            policy_loss, ratio, approx_kl, clipfrac = kl_mask_loss(
+                                log_prob, old_log_prob, mean, rollout.means[sl, i], std, adv[sl], args.kl_mask, step_weight
+                            )
+                        else:
+                            policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
+                                log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, step_weight
+                            )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
                             policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
                         kl = torch.zeros((), device=device)

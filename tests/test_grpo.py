@@ -169,6 +169,7 @@ def test_paper_options_run_end_to_end(tmp_path, capsys):
     for flags in (
         "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
         "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3",
+        "--kl-mask 1e-5 --num-inner-epochs 2 --num-sde-steps 2",  # Flow-DPPO: the rollout keeps the steps' means
     ):
         out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
@@ -257,3 +258,39 @@ def test_sliding_window_and_noise_weight_train_end_to_end(tmp_path):
     run_script(["algos/grpo.py", *flags.split()])
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert scalars(run_dir)["charts/sde_steps_mean"] == [1.5, 2.5, 1.5, 2.5]  # window 1..3: runs [1, 2], [2, 3]
+
+
+def test_kl_mask_loss_matches_an_explicit_loop_and_gradient():
+    """Flow-DPPO, written out per sample in numpy: D = mean (mu - mu_old)^2 / (2 s^2) from the two Gaussian steps' means;
+    dropped iff D >= tau and (r > 1, A > 0 or r < 1, A < 0); loss = mean of -A r over the kept; the gradient flows
+    through every kept term, whatever its ratio (no clip), and through no dropped one."""
+    g = torch.Generator().manual_seed(7)
+    x, v_old, z = (torch.randn(6, 2, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    s, s_next, eta = 0.7, 0.55, 0.7
+    x_next, old_logp, old_mean, std = common.sde_step(x, v_old, s, s_next, "Flow-SDE", eta, noise=z)
+    # the new mean moves by alpha s z (along the rollout's own noise): log r ~ alpha - alpha^2 / 2, D ~ alpha^2 / 2
+    alpha = torch.tensor([0.0, 0.5, 0.5, -0.5, -0.5, 0.01], dtype=torch.float64).view(6, 1, 1, 1)
+    dmean_dv = common.sde_step(x, v_old + 1, s, s_next, "Flow-SDE", eta)[2] - old_mean  # the mean is linear in v
+    v = (v_old + alpha * std * z / dmean_dv).requires_grad_()
+    _, logp, mean, _ = common.sde_step(x, v, s, s_next, "Flow-SDE", eta, x_next=x_next)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -2.0], dtype=torch.float64)  # away: 1 (r > 1, A > 0), 3 (r < 1, A < 0)
+    tau = 1e-3
+    loss, ratio, _, maskfrac = grpo.kl_mask_loss(logp, old_logp, mean, old_mean, std, adv, tau)
+
+    mu, mu_old, sd = mean.detach().numpy(), old_mean.numpy(), float(std)
+    r = np.exp((logp - old_logp).detach().numpy())
+    terms, dropped = [], []
+    for i in range(6):
+        d = np.mean((mu[i] - mu_old[i]) ** 2) / (2 * sd**2)
+        a = adv[i].item()
+        drop = d >= tau and ((r[i] > 1 and a > 0) or (r[i] < 1 and a < 0))
+        dropped.append(drop)
+        terms.append(0.0 if drop else -a * r[i])
+    assert loss.item() == pytest.approx(np.mean(terms), rel=1e-10)
+    assert maskfrac.item() == pytest.approx(np.mean(dropped))
+    assert dropped == [False, True, False, True, False, False]  # 2 and 4 step back towards the rollout: kept
+    # a kept sample has a gradient (sample 0 too: it sits at the rollout policy), a dropped one has none
+    loss.backward()
+    assert [bool((v.grad[i] == 0).all()) for i in range(6)] == dropped
+    # where PPO's clip (1e-3) would stop a kept sample outside [1 - eps, 1 + eps], the mask lets it through
+    assert abs(r[5] - 1) > 1e-3 and np.mean((mu[5] - mu_old[5]) ** 2) / (2 * sd**2) < tau
