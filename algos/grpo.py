@@ -185,6 +185,8 @@ class Args:
     """Flow-DPPO: KL threshold of the mask that replaces the clip (0 = PPO clip)"""
     leave_one_out: bool = False
     """RLOO baseline: the mean of the other K-1 rewards"""
+    win_rate_reward: bool = False
+    """Pref-GRPO: an image's reward is its win rate against the rest of its group"""
     kl_beta: float = 0.0
     """KL weight to the base model"""
     kl_type: Literal["x", "v"] = "x"
@@ -263,6 +265,19 @@ def aggregate_advantages(
 
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
+def group_win_rates(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Pref-GRPO's reward (arXiv 2508.20751): each image's win rate inside its group of K, [B] for rewards in contiguous
+    groups. Every pair of the group is compared once, a win counting 1 and a tie 1/2 to each (as the official
+    _pairwise_win_rate), over the K - 1 comparisons of an image. The paper asks a pairwise preference model which image
+    of a pair is better; here the reward's scores are compared. Only the order inside the group is kept: how far apart
+    the scores are, an outlier or the reward's scale no longer set the advantages (but two near-equal scores are still
+    ordered: the pairwise model, not the win rate, is what lets the paper call them a tie)."""
+    r = rewards.double().view(-1, group_size)
+    diff = r[:, :, None] - r[:, None, :]  # [G, K, K]: image i against image j of its group
+    wins = (diff > 0).double().sum(2) + 0.5 * (diff == 0).double().sum(2) - 0.5  # minus the self-comparison's tie
+    return (wins / (group_size - 1)).view(-1).float()
+
+
 def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
     """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
     mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
@@ -388,6 +403,11 @@ def main(args: Args):
     if not 1 <= args.num_sde_steps <= len(window):
         raise common.UserError(
             f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
+        )
+    if args.win_rate_reward and args.advantage_aggregation == "gdpo":
+        raise common.UserError(
+            "--win-rate-reward ranks the weighted sum of the rewards, --advantage-aggregation gdpo normalises each reward"
+            " first: pick one"
         )
     if args.kl_mask < 0:
         raise common.UserError(f"--kl-mask {args.kl_mask}: must be >= 0 (0 = PPO's ratio clip)")
@@ -546,9 +566,15 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
+            adv_scores, adv_weights = scores, rewards.weights
+            if args.win_rate_reward:  # Pref-GRPO: the group win rate of the weighted reward is the reward
+                adv_scores, adv_weights = (
+                    {"win_rate": group_win_rates(rewards.total(scores), args.group_size)},
+                    {"win_rate": 1},
+                )
             adv = aggregate_advantages(
-                scores,
-                rewards.weights,
+                adv_scores,
+                adv_weights,
                 args.group_size,
                 args.advantage_aggregation,
                 args.advantage_std,

@@ -115,6 +115,7 @@ SPECIFIC = [
     ("grpo", "--window-mode sliding --dynamics ODE", "Flow-GRPO needs per-step log-probs"),
     ("grpo", "--noise-weight=-1", "--noise-weight -1.0: must be >= 0"),
     ("grpo", "--kl-mask=-1e-5", "--kl-mask -1e-05: must be >= 0"),
+    ("grpo", "--win-rate-reward --advantage-aggregation gdpo", "--win-rate-reward ranks the weighted sum of the rewards"),
     ("grpo", "--kl-mask 1e-5 --grpo-guard", "--kl-mask replaces the ratio clip that --grpo-guard normalises"),
     ("grpo", "--kl-mask 1e-5 --clip-high 1e-4", "--clip-low/--clip-high: --kl-mask replaces PPO's clip"),
     ("grpo", "--noise-weight 2.25 --grpo-guard", "--noise-weight and --grpo-guard's --guard-reweight both weight"),

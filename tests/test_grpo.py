@@ -169,7 +169,7 @@ def test_paper_options_run_end_to_end(tmp_path, capsys):
     for flags in (
         "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
         "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3",
-        "--kl-mask 1e-5 --num-inner-epochs 2 --num-sde-steps 2",  # Flow-DPPO: the rollout keeps the steps' means
+        "--kl-mask 1e-5 --num-inner-epochs 2 --num-sde-steps 2 --win-rate-reward",  # Flow-DPPO keeps the steps' means
     ):
         out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
@@ -294,3 +294,25 @@ def test_kl_mask_loss_matches_an_explicit_loop_and_gradient():
     assert [bool((v.grad[i] == 0).all()) for i in range(6)] == dropped
     # where PPO's clip (1e-3) would stop a kept sample outside [1 - eps, 1 + eps], the mask lets it through
     assert abs(r[5] - 1) > 1e-3 and np.mean((mu[5] - mu_old[5]) ** 2) / (2 * sd**2) < tau
+
+
+def test_group_win_rates_match_a_pairwise_loop():
+    """Pref-GRPO: win rate of image i = (wins + ties / 2) / (K - 1) over the other images of its group, a plain loop."""
+    rewards = torch.tensor([0.3, 0.9, 0.3, 0.1, 5.0, -1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    k = 4
+    ref = []
+    for g in range(3):
+        group = rewards[g * k : (g + 1) * k].tolist()
+        for i, ri in enumerate(group):
+            score = sum(1.0 if ri > rj else 0.5 if ri == rj else 0.0 for j, rj in enumerate(group) if j != i)
+            ref.append(score / (k - 1))
+    ours = grpo.group_win_rates(rewards, k)
+    np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-7)
+    assert ref[:4] == [0.5, 1.0, 0.5, 0.0] and ref[8:] == [0.5] * 4
+    # only the order counts: a group with an outlier gets the advantages of any group ordered like it, and a flat group
+    # (all ties) gets advantage 0
+    same_order = torch.tensor([0.3, 0.31, 0.3, 0.29, 5.0, -1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    adv = grpo.group_advantages(grpo.group_win_rates(rewards, k), k)
+    torch.testing.assert_close(adv, grpo.group_advantages(grpo.group_win_rates(same_order, k), k))
+    assert not torch.allclose(grpo.group_advantages(rewards, k), grpo.group_advantages(same_order, k))
+    assert (adv[8:] == 0).all()
