@@ -350,8 +350,9 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
 def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     """TempFlow-GRPO's noise-aware weighting (arXiv 2508.04324): [batch] weights c s of one step's policy term, where s is
     the step's std (Flow-SDE: s = sigma_t sqrt(|dt|)), so the high-noise early steps, where a perturbation changes the
-    image most, get the larger steps. The official code (train_sd3.py, train_sd3_pr.py) multiplies the PPO terms by
-    2.25 std_dev_t sqrt(-dt), not the KL; 2.25 is about 1 / the mean std over SD3.5's 10 steps at eta 0.7."""
+    image most, get the larger steps. The official code multiplies the PPO terms, not the KL, by 2.25 std_dev_t
+    sqrt(-dt) in its trajectory-branching script (scripts/train_sd3_pr.py; its train_sd3.py keeps Flow-GRPO's loss);
+    2.25 is about 1 / the mean std over SD3.5's 10 steps at eta 0.7."""
     std = std.reshape(-1).float()
     return scale * (std.expand(batch) if std.numel() == 1 else std)
 
@@ -369,9 +370,9 @@ def sde_window_steps(
     """The epoch's stochastic steps: `count` of `window`, a random subset ("subset"), a run of consecutive steps with
     a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range), or
     MixGRPO's sliding window ("sliding", arXiv 2507.21802; official fastvideo/utils/grpo_states.py, strategy
-    "progressive" with --roll_back): the run starts at the window's first step and moves `stride` steps later every
-    `interval` epochs, back to the start once it would leave the window. Sliding draws nothing from `generator`: the
-    run depends on the epoch alone, so a resume continues it."""
+    "progressive" with --roll_back, as UniRL's WindowScheduler): the run starts at the window's first step and moves
+    `stride` steps later every `interval` epochs, back to the start once it would leave the window. Sliding draws
+    nothing from `generator`: the run depends on the epoch alone, so a resume continues it."""
     if mode == "sliding":
         interval, stride = shift
         starts = (len(window) - count) // stride + 1  # l = 0, s, 2s, ... while the run of `count` fits

@@ -281,6 +281,40 @@ ELBO_GRPO = {
     "base_dtype": ("float32", RDS + "src/utils/sd3.py::get_pretrained_model (the transformer stays as loaded)"),
     "mixed_precision": (False, RDS + "config/base.py mixed_precision 'no'"),
 }
+# Flow-DPPO: the authors' SD3.5 recipe in Tencent-Hunyuan/UniRL (FlowDPPO/README.md); no OCR config, so TASK=ocr keeps
+# these values. Its script runs algos/grpo.py (the method is grpo.py's --kl-mask)
+UNIRL = "Tencent-Hunyuan/UniRL@1a7b501 "
+DPPO_CFG = UNIRL + "examples/diffusion/sd3_flowdppo.yaml:"
+FLOW_DPPO = {
+    "num_steps": (10, DPPO_CFG + "137"),
+    "sigma_schedule": ("pipeline", UNIRL + "unirl/sde/runtime.py:98-99 (linspace(1, 0, N + 1) shifted by 3)"),
+    "guidance_scale": (1.0, DPPO_CFG + "138"),
+    "resolution": (512, DPPO_CFG + "139-140"),
+    "dynamics": ("Flow-SDE", DPPO_CFG + "47 (FlowSDEStrategy)"),
+    "eta": (0.7, DPPO_CFG + "141"),
+    "group_size": (16, DPPO_CFG + "142"),
+    "shared_group_noise": (False, DPPO_CFG + "144 (init_same_noise false)"),
+    "num_prompts": (48, DPPO_CFG + "20 (prompts_per_rollout)"),
+    "sde_window": ((0, 5), DPPO_CFG + "151 (timestep_fraction [0.0, 0.5] of 10 steps)"),
+    "num_sde_steps": (3, DPPO_CFG + "152"),
+    "window_mode": ("subset", UNIRL + "unirl/utils/scheduler_utils.py:118-124 (a random choice of the pool)"),
+    "micro_batch": (8, DPPO_CFG + "121"),
+    "grad_steps_per_epoch": (2, DPPO_CFG + "123 (num_updates_per_batch: mini-batches per rollout)"),
+    "num_inner_epochs": (1, DPPO_CFG + "123 (one pass of the 2 mini-batches)"),
+    "max_grad_norm": (1.0, DPPO_CFG + "122"),
+    "learning_rate": (3e-4, DPPO_CFG + "64"),
+    "weight_decay": (0.0, DPPO_CFG + "68"),
+    "lora_rank": (32, DPPO_CFG + "76"),
+    "lora_alpha": (64.0, DPPO_CFG + "77"),
+    "advantage_std": ("global", DPPO_CFG + "27 (adv_use_global_std: the group mean, one batch-wide std)"),
+    "adv_clip": (None, UNIRL + "unirl/types/rollout_resp.py:220-300 (compute_advantages: None = no clip)"),
+    "kl_mask": (1e-5, DPPO_CFG + "116 (kl_mask_threshold, on the per-element mean KL)"),
+    "kl_beta": (0.0, UNIRL + "unirl/algorithms/flowdppo.py:319 (the loss is the masked surrogate alone)"),
+    "base_dtype": ("bfloat16", DPPO_CFG + "34 (model_precision bf16)"),
+    "mixed_precision": (True, DPPO_CFG + "35 (autocast_precision bf16)"),
+}
+# a paper script named after a method that one of the algos/ scripts runs with a flag
+SCRIPT_ALGO = {"flow_dppo": "grpo"}
 OFFICIAL = {
     "grpo": {
         "pickscore": {
@@ -390,6 +424,7 @@ OFFICIAL = {
     },
     "crd": {task: dict(CRD) for task in ("pickscore", "ocr")},
     "dpo": {task: dict(DPO) for task in ("pickscore", "ocr")},
+    "flow_dppo": {task: dict(FLOW_DPPO) for task in ("pickscore", "ocr")},
 }
 
 
@@ -462,7 +497,7 @@ def problems(algo: str, task: str, args, diffs: dict, flags=()) -> dict:
 
 def script_problems(script: Path, algo: str, task: str) -> dict:
     name, args, flags = parsed(script, task)
-    assert name == algo
+    assert name == SCRIPT_ALGO.get(algo, algo)
     return problems(algo, task, args, listed_differences(script, task), flags)
 
 
