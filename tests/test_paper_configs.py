@@ -313,8 +313,40 @@ FLOW_DPPO = {
     "base_dtype": ("bfloat16", DPPO_CFG + "34 (model_precision bf16)"),
     "mixed_precision": (True, DPPO_CFG + "35 (autocast_precision bf16)"),
 }
+# MixGRPO: its authors' SD3.5 recipe in UniRL (the paper trains FLUX.1-dev only); no OCR config either
+MIX_CFG = UNIRL + "examples/diffusion/sd3_mixgrpo.yaml:"
+MIXGRPO = {
+    "num_steps": (10, MIX_CFG + "127"),
+    "sigma_schedule": ("pipeline", UNIRL + "unirl/sde/runtime.py:98-99 (linspace(1, 0, N + 1) shifted by 3)"),
+    "guidance_scale": (1.0, MIX_CFG + "128"),
+    "resolution": (512, MIX_CFG + "129-130"),
+    "dynamics": ("Flow-SDE", MIX_CFG + "37 (FlowSDEStrategy)"),
+    "eta": (0.7, MIX_CFG + "131"),
+    "group_size": (16, MIX_CFG + "132"),
+    "shared_group_noise": (True, MIX_CFG + "134 (init_same_noise true)"),
+    "num_prompts": (48, MIX_CFG + "15 (prompts_per_rollout)"),
+    "sde_window": ((0, 10), MIX_CFG + "143 + 149 (every step of the 10, the window starting at step 0)"),
+    "window_mode": ("sliding", MIX_CFG + "142-146 (WindowScheduler, strategy progressive)"),
+    "num_sde_steps": (4, MIX_CFG + "147 (window_size)"),
+    "window_shift": ((25, 3), MIX_CFG + "148-151 (iters_per_window 25; stride = window 4 - overlap 1; roll_back)"),
+    "micro_batch": (8, MIX_CFG + "111"),
+    "grad_steps_per_epoch": (2, MIX_CFG + "113 (num_updates_per_batch: mini-batches per rollout)"),
+    "num_inner_epochs": (1, MIX_CFG + "113 (one pass of the 2 mini-batches)"),
+    "max_grad_norm": (1.0, MIX_CFG + "112"),
+    "learning_rate": (3e-4, MIX_CFG + "54"),
+    "weight_decay": (1e-4, MIX_CFG + "58"),
+    "lora_rank": (32, MIX_CFG + "66"),
+    "lora_alpha": (64.0, MIX_CFG + "67"),
+    "clip_low": (1e-4, MIX_CFG + "101 (clip_range)"),
+    "clip_high": (1e-4, MIX_CFG + "101 (clip_range)"),
+    "advantage_std": ("global", MIX_CFG + "16 (adv_use_global_std)"),
+    "adv_clip": (None, UNIRL + "unirl/types/rollout_resp.py:220-300 (compute_advantages: None = no clip)"),
+    "kl_beta": (0.0, UNIRL + "unirl/algorithms/flowgrpo.py:174-180 (the loss is the clipped surrogate alone)"),
+    "base_dtype": ("bfloat16", MIX_CFG + "24 (model_precision bf16)"),
+    "mixed_precision": (True, MIX_CFG + "25 (autocast_precision bf16)"),
+}
 # a paper script named after a method that one of the algos/ scripts runs with a flag
-SCRIPT_ALGO = {"flow_dppo": "grpo"}
+SCRIPT_ALGO = {"flow_dppo": "grpo", "mixgrpo": "grpo"}
 OFFICIAL = {
     "grpo": {
         "pickscore": {
@@ -425,6 +457,7 @@ OFFICIAL = {
     "crd": {task: dict(CRD) for task in ("pickscore", "ocr")},
     "dpo": {task: dict(DPO) for task in ("pickscore", "ocr")},
     "flow_dppo": {task: dict(FLOW_DPPO) for task in ("pickscore", "ocr")},
+    "mixgrpo": {task: dict(MIXGRPO) for task in ("pickscore", "ocr")},
 }
 
 
