@@ -350,9 +350,12 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
 def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     """TempFlow-GRPO's noise-aware weighting (arXiv 2508.04324): [batch] weights c s of one step's policy term, where s is
     the step's std (Flow-SDE: s = sigma_t sqrt(|dt|)), so the high-noise early steps, where a perturbation changes the
-    image most, get the larger steps. The official code multiplies the PPO terms, not the KL, by 2.25 std_dev_t
-    sqrt(-dt) in its trajectory-branching script (scripts/train_sd3_pr.py; its train_sd3.py keeps Flow-GRPO's loss);
-    2.25 is about 1 / the mean std over SD3.5's 10 steps at eta 0.7."""
+    image most, get the larger steps. The official code multiplies the PPO terms, not the KL, by 2.25 s in its
+    trajectory-branching script (scripts/train_sd3_pr.py; the s its sde_step_with_logprob returns is std_dev_t
+    sqrt(-dt), the step's std; its train_sd3.py keeps Flow-GRPO's loss). 2.25 is 1 / the mean of s over the 9 steps
+    that script trains (SD3.5, 10 steps of the scheduler's schedule, eta 0.7; the last step is not trained): the weights
+    average 1 over the trained steps, the normalisation the paper's weighting is described with. The paper's equation
+    number is not cited: its text could not be read here. Another schedule, eta or window needs its own c for mean 1."""
     std = std.reshape(-1).float()
     return scale * (std.expand(batch) if std.numel() == 1 else std)
 

@@ -246,6 +246,29 @@ def test_noise_weighted_ppo_loss_matches_numpy():
     torch.testing.assert_close(per_sample, torch.tensor([0.2, 0.4]))
 
 
+def test_official_noise_weight_averages_one_over_sd35_trained_steps():
+    """TempFlow-GRPO's official 2.25 (scripts/train_sd3_pr.py) is 1 / the mean step std s = eta sqrt(sigma / (1 - sigma))
+    sqrt(|dt|) over the 9 steps it trains of SD3.5's 10-step scheduler schedule (shift 3, eta 0.7; at sigma = 1 the
+    denominator's sigma is the second sigma, as its sde_step_with_logprob): s computed in numpy from diffusers' own
+    sigmas; the weights c s then average 1 over those steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(10)
+    sig = sched.sigmas.double().numpy()
+    eta, cap = 0.7, sig[1]
+    s_np = np.array([eta * np.sqrt(a / (1 - min(a, cap))) * np.sqrt(a - b) for a, b in zip(sig[:9], sig[1:10])])
+    assert 1 / s_np.mean() == pytest.approx(2.25, abs=5e-3)
+    x = torch.zeros(1, 1, 1, 1)
+    stds = [
+        common.sde_step(x, x, float(sig[i]), float(sig[i + 1]), "Flow-SDE", eta, sigma_cap=float(cap))[3] for i in range(9)
+    ]
+    np.testing.assert_allclose([float(s.reshape(-1)[0]) for s in stds], s_np, rtol=1e-5)
+    weights = torch.cat([grpo.noise_weights(s, 1, 2.25) for s in stds])
+    assert weights.mean().item() == pytest.approx(1.0, abs=5e-3)
+    assert weights[0] > 1 > weights[-1]  # the early, noisy steps weigh more
+
+
 def test_sliding_window_and_noise_weight_train_end_to_end(tmp_path):
     """MixGRPO's window moves in the training loop (tau = 1: one step later each epoch, rolling back), with TempFlow's
     noise weights on; the logged mean trained step is the window of each epoch."""
