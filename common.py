@@ -87,7 +87,10 @@ class Family:
     pipeline samples without CFG (a distilled FLUX.2-klein: its pipeline ignores the scale), or None: `load_pipeline`
     marks the transformer and `velocity` refuses a scale > 1; `no_negative(pipe)` -> why the family takes no negative
     prompt (a guidance embedding, one pass), or None: `PromptEncoder` refuses one. The scripts' `check` refuses both
-    before loading; these hooks make every caller of the sampler (the benchmark scripts) refuse them too."""
+    before loading; these hooks make every caller of the sampler (the benchmark scripts) refuse them too.
+    `encode_image(pipe, pixels [B, 3, H, W] in [-1, 1])` -> reference latents [B, ...] of an edit family (FLUX.1-Kontext),
+    which `PromptEncoder` caches per image file and `velocity` then receives as `image=` (see `Prompt`); None: the
+    family takes no reference image."""
 
     name: str
     pipelines: tuple
@@ -109,6 +112,7 @@ class Family:
     check: Optional[Callable] = None  # (model_index.json as a dict, args) -> None, raises UserError
     no_cfg: Optional[Callable] = None  # (pipe) -> why it samples without CFG, or None (see above)
     no_negative: Optional[Callable] = None  # (pipe) -> why it takes no negative prompt, or None (see above)
+    encode_image: Optional[Callable] = None  # (pipe, pixels) -> reference latents: an edit family (see above)
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -120,7 +124,11 @@ def register(family: Family):
 
 
 def family_of(transformer) -> Family:
-    """The family of `transformer`'s class (LoRA keeps it; FSDP subclasses it; Wan2.2's Experts name it)."""
+    """The family of `transformer`'s class (LoRA keeps it; FSDP subclasses it; Wan2.2's Experts name it), or the one
+    `load_pipeline` marked it with (`cleanflow_family`), where two families share a class (FLUX.1 and FLUX.1-Kontext)."""
+    marked = getattr(transformer, "cleanflow_family", None)  # a family's name (a string: copies and pickles keep it)
+    for family in (f for f in FAMILIES.values() if marked is not None and f.name == marked):
+        return family
     name = getattr(transformer, "transformer_class", None) or type(transformer).__name__
     bases = {name} | {cls.__name__ for cls in type(transformer).__mro__}
     for family in (f for f in FAMILIES.values() if f.transformer in bases):
@@ -140,17 +148,21 @@ def autocast(device: torch.device, enabled: bool):
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cond:
-    """The text conditioning of a batch, as `PromptEncoder.cond` returns it: the prompts' token embeddings and the
-    family's second text input (`pooled`, see `PromptEncoder`), and the same two of the negative prompt for CFG (None
-    when no CFG is needed). `cond[i]` (an index, slice or index tensor) takes those samples of every field."""
+    """The conditioning of a batch, as `PromptEncoder.cond` returns it: the prompts' token embeddings and the family's
+    second text input (`pooled`, see `PromptEncoder`), the same two of the negative prompt for CFG (None when no CFG is
+    needed), and for prompts with a reference image (`Prompt`) its VAE latents `image` [B, ...] (None for text-only
+    prompts; an edit family's velocity takes it, `Family.encode_image`). `cond[i]` (an index, slice or index tensor)
+    takes those samples of every field."""
 
     embeds: torch.Tensor
     pooled: torch.Tensor
     neg_embeds: Optional[torch.Tensor] = None
     neg_pooled: Optional[torch.Tensor] = None
+    image: Optional[torch.Tensor] = None
 
     def __getitem__(self, idx) -> "Cond":
-        return Cond(*(None if t is None else t[idx] for t in (self.embeds, self.pooled, self.neg_embeds, self.neg_pooled)))
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Cond(*(None if t is None else t[idx] for t in fields))
 
     @property
     def neg(self) -> Optional[tuple]:
@@ -171,6 +183,7 @@ class PromptEncoder:
         self.max_sequence_length = self.family.max_sequence_length(self.pipe, max_sequence_length)
         self.negative_prompt = negative_prompt
         self.device = pipe.transformer.device
+        self.latent_shape = getattr(pipe, "latent_shape", None)  # a reference image's latents must have it
         self.cache_device = torch.device(cache_device) if cache_device is not None else self.device
         self.cache = {}
 
@@ -183,9 +196,8 @@ class PromptEncoder:
         # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
         device = self.text_encoders()[0].device
         kwargs = {} if length is None else {"length": length}
-        e, p = self.family.encode(
-            self.pipe, list(prompts), device, self.max_sequence_length, **kwargs
-        )  # a copy: Z-Image edits it
+        texts = [prompt_text(p) for p in prompts]  # a list of its own (Z-Image edits it); a `Prompt`'s instruction
+        e, p = self.family.encode(self.pipe, texts, device, self.max_sequence_length, **kwargs)
         for i, prompt in enumerate(prompts):
             self.cache[prompt if length is None else (prompt, length)] = (
                 e[i].to(self.cache_device),
@@ -196,7 +208,8 @@ class PromptEncoder:
         # a prompt not cached is encoded alone: the text encoders' output depends (~1e-6) on the batch it is computed in,
         # so batching the prompts that happen to be new would make an embedding depend on the run's history and a
         # resumed run (empty cache) drift from the uninterrupted one. Alone costs ~4 ms/prompt on tiny-text (CPU).
-        length = self.family.text_length(self.pipe, prompts, self.max_sequence_length) if self.family.text_length else None
+        texts = [prompt_text(p) for p in prompts]
+        length = self.family.text_length(self.pipe, texts, self.max_sequence_length) if self.family.text_length else None
         keys = list(prompts) if length is None else [(p, length) for p in prompts]
         for key in dict.fromkeys(k for k in keys if k not in self.cache):
             self._encode([key if length is None else key[0]], length)
@@ -205,9 +218,37 @@ class PromptEncoder:
         return embeds, extra
 
     def cond(self, prompts: Sequence[str], negative: bool = True) -> Cond:
-        """The prompts' `Cond`, with the negative prompt repeated for each (for CFG) unless `negative` is False."""
+        """The prompts' `Cond`, with the negative prompt repeated for each (for CFG) unless `negative` is False, and
+        their reference images' latents (`images`) when they have images."""
         embeds, pooled = self(prompts)
-        return Cond(embeds, pooled, *(self.negative(len(prompts)) if negative else (None, None)))
+        neg = self.negative(len(prompts)) if negative else (None, None)
+        return Cond(embeds, pooled, *neg, image=self.images(prompts))
+
+    def images(self, prompts: Sequence[str]) -> Optional[torch.Tensor]:
+        """The reference latents [B, ...] of `prompts` (`Prompt` records), or None when they are text only. Each image
+        file is read (`image_pixels`) and encoded by the family's VAE (`Family.encode_image`) once, alone (as each
+        prompt's text: its latents do not depend on the batch it came in), and cached by its file, beside the text."""
+        records = [p for p in prompts if isinstance(p, Prompt)]
+        if not records:
+            return None
+        if len(records) < len(prompts):  # load_prompts makes a file all one or the other
+            raise UserError("a batch mixes prompts with and without a reference image")
+        if self.family.encode_image is None:  # the scripts refuse it before loading (run.check_args)
+            raise UserError(f"prompt {short(records[0])}: {type(self.pipe).__name__} takes no reference image")
+        for record in records:
+            key = ("image", record.image)
+            if key in self.cache:
+                continue
+            with torch.no_grad():
+                z = self.family.encode_image(self.pipe, image_pixels(record.image).to(self.pipe.vae.device))[0]
+            if self.latent_shape is not None and tuple(z.shape) != tuple(self.latent_shape):
+                raise UserError(
+                    f"prompt {short(record)}: its image ({record.size[0]} x {record.size[1]} pixels) encodes to latents "
+                    f"{tuple(z.shape)}, not the {tuple(self.latent_shape)} the model samples: give images of the "
+                    "training size (--resolution, --height, --width)"
+                )
+            self.cache[key] = z.to(self.cache_device)
+        return torch.stack([self.cache[("image", r.image)] for r in records]).to(self.device)
 
     def negative(self, batch: int):
         if self.family.encode_negative is None:
@@ -271,11 +312,13 @@ def model_dtype(transformer) -> torch.dtype:
 def velocity(transformer, x, sigma, cond: Cond, guidance_scale: float = 1.0) -> torch.Tensor:
     """One transformer call v(x, sigma | text) on latents x in the family's layout (`Model.latent_shape`, batched).
     Returns fp32 like x. `cond` is the batch's text (`Cond`); its negative prompt is used for CFG (scale > 1); the
-    family's own guidance mode applies (see models/<family>.py)."""
+    family's own guidance mode applies (see models/<family>.py); its reference latents, if any, go to the family as
+    `image=`."""
     if guidance_scale > 1 and getattr(transformer, "cfg_refused", None):  # a distilled FLUX.2-klein (`Family.no_cfg`)
         raise UserError(f"guidance scale {guidance_scale}: {transformer.cfg_refused}")
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-    return family_of(transformer).velocity(transformer, x, sigma, cond.embeds, cond.pooled, cond.neg, guidance_scale)
+    image = {} if cond.image is None else {"image": cond.image}  # only an edit family takes one (`Family.encode_image`)
+    return family_of(transformer).velocity(transformer, x, sigma, cond.embeds, cond.pooled, cond.neg, guidance_scale, **image)
 
 
 @torch.no_grad()
@@ -737,8 +780,79 @@ def evaluate(
 # ----------------------------------------------------------------------------------------------------------------
 # prompts, groups, timesteps
 # ----------------------------------------------------------------------------------------------------------------
+class Prompt(str):
+    """A prompt with a reference image (an edit instruction, e.g. "make the circle red" and the scene to edit), as
+    `load_prompts` reads it from a jsonl line {"prompt": ..., "image": ...}. The string itself is the record's key,
+    "<text> [<image as written> <hash of its bytes>]": one per (text, image content), so everything that takes prompts
+    as strings (group_prompts, the text cache, eval, captions, logs) works unchanged, and the same text on two images
+    stays two prompts. `text` is the instruction the text encoder sees, `image` the file (resolved), `size` its
+    (width, height) in pixels. `PromptEncoder` encodes the image once by the family's VAE into `Cond.image`."""
+
+    def __new__(cls, key: str, text: str, image: Path, size: tuple):
+        record = super().__new__(cls, key)
+        record.text, record.image, record.size = text, image, size
+        return record
+
+    def __getnewargs__(self):  # copy and pickle rebuild the record, not a bare str
+        return str(self), self.text, self.image, self.size
+
+
+def prompt_text(prompt: str) -> str:
+    """What the text encoder sees: a `Prompt`'s instruction, or the prompt itself."""
+    return prompt.text if isinstance(prompt, Prompt) else prompt
+
+
+def load_image(path: Path):
+    """An image file as an RGB PIL image, as `diffusers.utils.load_image` reads one for a pipeline: its EXIF
+    orientation applied, then converted to RGB (alpha dropped, grey and palette images expanded). The stock edit
+    pipelines convert nothing (an RGBA array would reach the VAE with 4 channels), so a card's example loads with
+    `load_image` too."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as image:
+        return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def image_pixels(path: Path) -> torch.Tensor:
+    """`load_image` as a [1, 3, H, W] float32 tensor in [-1, 1], computed as the pipelines' VaeImageProcessor does
+    (x / 255, then 2 x - 1), in its memory layout too (channels last: the VAE's convolutions round otherwise, ~4e-7)."""
+    pixels = np.array(load_image(path)).astype(np.float32)[None] / 255.0
+    return 2.0 * torch.from_numpy(pixels.transpose(0, 3, 1, 2)) - 1.0
+
+
+_IMAGES = {}  # (file, mtime, size in bytes) -> (width, height, digest): read once though load_prompts runs twice
+
+
+def read_image(path: Path, where: str, written: str) -> tuple:
+    """(width, height, blake2b digest of the bytes) of an image file, every pixel decoded (a truncated file fails
+    here, not in training); one `UserError` line naming the prompt file's line otherwise. A symbolic link is followed:
+    an image is only read (the run folder's no-link rule, `run.check_no_symlinks`, is about where a run writes)."""
+    from PIL import Image
+
+    if not path.exists():
+        raise UserError(f"{where}: image {written!r} not found ({path})")
+    if not path.is_file():
+        raise UserError(f"{where}: image {written!r} is not a regular file ({path})")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _IMAGES:
+        try:
+            width, height = load_image(path).size
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise UserError(f"{where}: image {written!r} cannot be read as an image ({reason})") from None
+        _IMAGES[key] = (width, height, hashlib.blake2b(path.read_bytes(), digest_size=6).hexdigest())
+    return _IMAGES[key]
+
+
 def load_prompts(path: str) -> list:
-    """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped."""
+    """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped.
+
+    A jsonl line may carry a reference image, {"prompt": "make the circle red", "image": "scene.png"}, its path
+    relative to the file's folder: such a line becomes a `Prompt` record (a str), a plain line a str. A file's lines all
+    carry an image or none does (a batch is one or the other). Each image is decoded here, before any model loads: a
+    field that is not a string, a missing file or one that is not a readable image is one `UserError` line. Its size is
+    checked against the training resolution by the edit family's `check` (before loading) and `PromptEncoder`."""
     p = Path(path)
     if p.is_dir():
         raise UserError(f"prompt file {path!r} is a folder; pass a .txt or .jsonl file")
@@ -750,23 +864,47 @@ def load_prompts(path: str) -> list:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as e:
         raise UserError(f"prompt file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})")
-    prompts = []
+    prompts, with_image = [], set()
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
             try:
-                prompt = json.loads(line)["prompt"]
+                record = json.loads(line)
+                prompt = record["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise UserError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
             if not isinstance(prompt, str):  # null, a list or a number would be trained on as "None", "['a']", "3"
                 raise UserError(f"{path}:{n}: 'prompt' is {short(json.dumps(prompt))}, expected a string")
+            with_image.add("image" in record)
+            if len(with_image) > 1:
+                raise UserError(f"{path}:{n}: every line of a prompt file carries an 'image', or none does")
+            if "image" in record:
+                written = record["image"]
+                if not isinstance(written, str) or not written.strip():
+                    raise UserError(
+                        f"{path}:{n}: 'image' is {short(json.dumps(written))}, expected an image file's path "
+                        "(relative to the prompt file's folder)"
+                    )
+                width, height, digest = read_image(p.parent / written, f"{path}:{n}", written)
+                prompt = Prompt(f"{prompt} [{written} {digest}]", prompt, (p.parent / written).resolve(), (width, height))
             prompts.append(prompt)
         else:
             prompts.append(line.strip())
     if not prompts:
         raise UserError(f"prompt file {path!r} has no prompts")
     return prompts
+
+
+def check_image_sizes(prompts: Sequence[str], width: int, height: int, flag: str):
+    """Every reference image of `prompts` is `width` x `height` pixels, the size the model samples at: the reference
+    latents share the sampled latents' grid (an edit family's `check`, before the model loads). `flag` names the file."""
+    for prompt in prompts:
+        if isinstance(prompt, Prompt) and prompt.size != (width, height):
+            raise UserError(
+                f"{flag}: prompt {short(prompt)}: its image is {prompt.size[0]} x {prompt.size[1]} pixels, but the "
+                f"model samples {width} x {height}: resize the image, or train at its size (--height, --width)"
+            )
 
 
 def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, generator: torch.Generator) -> list:

@@ -25,7 +25,7 @@ import torch
 import tyro
 
 from checkpoints import check_checkpoint_fields, find_checkpoint, load_checkpoint, script_name
-from common import FAMILIES, REPO, UserError
+from common import FAMILIES, REPO, Prompt, UserError, load_prompts
 from distributed import check_device, env_ranks
 from export import EXPORT_NAMES, LORA_ARGS
 from models import check_model_folder, compile_unavailable, pipeline_config
@@ -296,6 +296,7 @@ def check_args(args, fresh: bool = True):
     family = FAMILIES.get(config.get("_class_name"))
     if family is not None and fields.get("num_frames") is not None and family.num_frames is None:
         raise UserError(f"--num-frames {args.num_frames}: {config['_class_name']} makes images, not videos")
+    check_prompt_images(args, family, config.get("_class_name"))
     if family is not None and family.check is not None:
         family.check(config, args)  # Wan's checks --guidance-scale-2 against the folder (Wan2.2-A14B's second expert)
     if fields.get("guidance_scale_2") is not None and config.get("_class_name") != "WanPipeline":
@@ -312,6 +313,23 @@ def check_args(args, fresh: bool = True):
         if not parent.is_dir() or not writable(parent):
             raise UserError(
                 f"--output-dir {args.output_dir}: cannot create a run folder there ({parent} is not a writable folder)"
+            )
+
+
+def check_prompt_images(args, family, pipeline: Optional[str]):
+    """The prompt files read now (`load_prompts`, which decodes every reference image), so that a bad line or image
+    stops the run before the model loads; prompts with reference images need an edit family (`Family.encode_image`).
+    A text-only file is fine for an edit family: its pipeline takes `image=None` too (FLUX.1-Kontext then samples from
+    the text alone). The image size is the family's `check` (it knows the model's default resolution)."""
+    for name in ("train_prompts", "test_prompts"):
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        prompts = load_prompts(path)
+        if family is not None and family.encode_image is None and isinstance(prompts[0], Prompt):
+            raise UserError(
+                f"{_flag(name)} {path}: its prompts carry reference images, but {pipeline} takes none "
+                f"(edit families: {', '.join(sorted(k for k, f in FAMILIES.items() if f.encode_image)) or 'none'})"
             )
 
 

@@ -21,9 +21,40 @@ import torch
 import common
 from common import FAMILIES, Family, UserError, family_of, mu_for, short, sigma_schedule
 
-from . import auraflow, chroma, cogview4, flux, flux2, hunyuanvideo, ltx, lumina2, qwenimage, sana, sd3, wan, zimage
+from . import (
+    auraflow,
+    chroma,
+    cogview4,
+    flux,
+    flux2,
+    flux_kontext,
+    hunyuanvideo,
+    ltx,
+    lumina2,
+    qwenimage,
+    sana,
+    sd3,
+    wan,
+    zimage,
+)
 
-for _module in (sd3, flux, flux2, qwenimage, zimage, wan, sana, lumina2, cogview4, chroma, auraflow, ltx, hunyuanvideo):
+# FLUX.1 before FLUX.1-Kontext: an unmarked FluxTransformer2DModel is FLUX.1's (common.family_of)
+for _module in (
+    sd3,
+    flux,
+    flux_kontext,
+    flux2,
+    qwenimage,
+    zimage,
+    wan,
+    sana,
+    lumina2,
+    cogview4,
+    chroma,
+    auraflow,
+    ltx,
+    hunyuanvideo,
+):
     common.register(_module.FAMILY)
 
 
@@ -140,6 +171,7 @@ def pipeline_class(model: str) -> str:
 HUB_NAMES = (
     ("flux.2-klein", "Flux2KleinPipeline"),
     ("flux.2", "Flux2Pipeline"),
+    ("kontext", "FluxKontextPipeline"),
     ("flux", "FluxPipeline"),
     ("qwen-image", "QwenImagePipeline"),
     ("z-image", "ZImagePipeline"),
@@ -233,6 +265,7 @@ def load_pipeline(
         raise UserError(f"--guidance-scale-2 {guidance_scale_2}: only Wan2.2-A14B has a second (low-noise) expert")
     else:
         transformer = pipe.transformer
+    transformer.cleanflow_family = family.name  # common.family_of: FLUX.1-Kontext's transformer class is FLUX.1's
     reason = family.no_cfg(pipe) if family.no_cfg else None
     if reason:  # what the pipeline would ignore, common.velocity refuses (the transformer is what the sampler is given)
         transformer.cfg_refused = reason

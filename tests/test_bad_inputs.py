@@ -12,10 +12,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import tyro
 from conftest import run_in_process, run_script
+from PIL import Image
 
 import checkpoints
 import common
@@ -102,6 +104,9 @@ SHARED = {
     "--eval-rewards http://127.0.0.1:99999/shapes": "Port out of range 0-65535",
     "--eval-rewards http://127.0.0.1:9/shapes:0.5": "--eval-rewards http://127.0.0.1:9/shapes:0.5: a side metric takes no",
     "--eval-rewards shapes": "--eval-rewards: 'shapes' logs eval/shapes, which the training reward's eval (shapes_clean)",
+    # prompts with a reference image (an edit family's): read and checked before the model loads
+    "--train-prompts {tmp}/image-missing.jsonl": "image-missing.jsonl:1: image 'nope.png' not found",
+    "--test-prompts {tmp}/image.jsonl": "its prompts carry reference images, but StableDiffusion3Pipeline takes none",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
 NEEDS_MODEL = {"--lora-targets nosuchmodule"}
@@ -150,6 +155,14 @@ SPECIFIC = [
     ("nft", "--reward shapes:heavy", "bad weight 'heavy'"),
     ("awm", "--num-train-timesteps 0", "--num-train-timesteps 0: must be > 0"),
     ("elbo_grpo", "--timestep-range=-1", "--timestep-range -1.0: must be in (0, 1]"),
+    ("nft", "--train-prompts {tmp}/image-number.jsonl", "image-number.jsonl:1: 'image' is '3', expected an image file's"),
+    ("grpo", "--train-prompts {tmp}/image-null.jsonl", "image-null.jsonl:2: 'image' is 'null', expected an image file's"),
+    ("crd", "--train-prompts {tmp}/image-empty.jsonl", "image-empty.jsonl:1: 'image' is '\"\"', expected an image file's"),
+    ("dgpo", "--train-prompts {tmp}/image-text.jsonl", "image-text.jsonl:1: image 'a-file' cannot be read as an image"),
+    ("dpo", "--train-prompts {tmp}/image-cut.jsonl", "image-cut.jsonl:1: image 'cut.png' cannot be read as an image"),
+    ("awm", "--test-prompts {tmp}/image-folder.jsonl", "image-folder.jsonl:1: image 'bad-json' is not a regular file"),
+    ("elbo_grpo", "--train-prompts {tmp}/image-mixed.jsonl", "image-mixed.jsonl:2: every line of a prompt file carries an"),
+    ("nft", "--train-prompts {tmp}/image.jsonl", "--train-prompts {tmp}/image.jsonl: its prompts carry reference images"),
 ]
 CASES = [(algo, flags, msg) for flags, msg in SHARED.items() for algo in ALGOS] + SPECIFIC
 
@@ -164,6 +177,19 @@ def files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
     (tmp_path / "null.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": null}\n')
     (tmp_path / "list.jsonl").write_text('{"prompt": ["a", "b"]}\n')
+    scene = tmp_path / "scene.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(scene)
+    (tmp_path / "cut.png").write_bytes(scene.read_bytes()[: scene.stat().st_size // 2])  # a truncated download
+    edit = '{"prompt": "make the circle red", "image": %s}\n'
+    (tmp_path / "image.jsonl").write_text(edit % '"scene.png"')
+    (tmp_path / "image-missing.jsonl").write_text(edit % '"nope.png"')
+    (tmp_path / "image-number.jsonl").write_text(edit % "3")
+    (tmp_path / "image-null.jsonl").write_text(edit % '"scene.png"' + edit % "null")
+    (tmp_path / "image-empty.jsonl").write_text(edit % '""')
+    (tmp_path / "image-text.jsonl").write_text(edit % '"a-file"')
+    (tmp_path / "image-cut.jsonl").write_text(edit % '"cut.png"')
+    (tmp_path / "image-folder.jsonl").write_text(edit % '"bad-json"')
+    (tmp_path / "image-mixed.jsonl").write_text(edit % '"scene.png"' + '{"prompt": "a red circle"}\n')
     (tmp_path / "bad-json").mkdir()
     (tmp_path / "bad-json" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",')
     (tmp_path / "custom-module").mkdir()  # a component whose class is code in the folder (my_vae.py)
