@@ -783,10 +783,11 @@ def evaluate(
 class Prompt(str):
     """A prompt with a reference image (an edit instruction, e.g. "make the circle red" and the scene to edit), as
     `load_prompts` reads it from a jsonl line {"prompt": ..., "image": ...}. The string itself is the record's key,
-    "<text> [<image as written> <hash of its bytes>]": one per (text, image content), so everything that takes prompts
-    as strings (group_prompts, the text cache, eval, captions, logs) works unchanged, and the same text on two images
-    stays two prompts. `text` is the instruction the text encoder sees, `image` the file (resolved), `size` its
-    (width, height) in pixels. `PromptEncoder` encodes the image once by the family's VAE into `Cond.image`."""
+    "<text> [<image as written> <hash of its bytes>]": two records with one key have the same text and image content,
+    so everything that takes prompts as strings (group_prompts, the text cache, eval, captions, logs) works unchanged,
+    and the same text on two images stays two prompts. `text` is the instruction the text encoder sees, `image` the
+    file (resolved), `size` its (width, height) in pixels. `PromptEncoder` encodes the image once by the family's VAE
+    into `Cond.image`."""
 
     def __new__(cls, key: str, text: str, image: Path, size: tuple):
         record = super().__new__(cls, key)

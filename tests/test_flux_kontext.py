@@ -112,6 +112,8 @@ def test_kontext_is_its_own_family_though_it_shares_flux_transformer(kontext_dir
     assert common.family_of(copy.deepcopy(pipe.transformer)) is flux_kontext.FAMILY
     bare = type(pipe.transformer).from_config(pipe.transformer.config)  # not loaded by us: FLUX.1's, as before
     assert common.family_of(bare) is flux.FAMILY
+    with pytest.raises(common.UserError, match="FLUX.1-Kontext's guidance is an embedding"):  # the library path too
+        common.PromptEncoder(pipe, negative_prompt="blurry")
     assert models.pipeline_class("black-forest-labs/FLUX.1-Kontext-dev") == "FluxKontextPipeline"
     assert models.pipeline_class("black-forest-labs/FLUX.1-dev") == "FluxPipeline"
 
