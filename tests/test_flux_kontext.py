@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import tiny_families
 import torch
-from conftest import scalars
+from conftest import run_script, scalars
 from PIL import Image
 
 import common
 import export
 import models
 import run
+from checkpoints import load_checkpoint
 from models import flux, flux_kontext
 
 CPU = torch.device("cpu")
@@ -333,6 +334,17 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
     assert diff <= 1e-5 + 1e-5 < without  # the family's tolerance and the LoRA's (test_models.LORA_TOL)
     card = card_images(run_dir, prompt, noise, tmp_path, sys.modules[FluxKontextPipeline.__module__])
     assert ((ours[0] * 255).round() - card).abs().max().item() <= 1  # both rounded to 8 bits
+
+
+def test_a_resumed_run_on_image_prompts_ends_bit_identical(kontext_dirs, edit_prompts, tmp_path):
+    """2 epochs, against 1 epoch and `--resume` for one more: the resumed run starts with an empty cache and encodes
+    each image again, alone, into the same latents (CPU)."""
+    from test_algos import assert_same_state
+
+    a_dir, _ = train("crd", kontext_dirs["dev"], edit_prompts, tmp_path / "a", "--num-epochs", "2")
+    b_dir, _ = train("crd", kontext_dirs["dev"], edit_prompts, tmp_path / "b", "--num-epochs", "1")
+    run_script(["algos/crd.py", "--resume", b_dir, "--num-epochs", "2"])
+    assert_same_state(load_checkpoint(a_dir), load_checkpoint(b_dir), "crd")
 
 
 ALGOS = ["awm", "dgpo", "dpo", "elbo_grpo", "grpo", "nft"]  # crd: above
