@@ -25,6 +25,7 @@ def _lazy(module: str, name: str) -> Callable:
 REWARDS: Dict[str, Callable] = {
     "shapes": _lazy("shapes", "shapes"),
     "shapes_clean": _lazy("shapes", "shapes_clean"),
+    "edit": _lazy("edit", "edit"),
     "jpeg_compressibility": _lazy("jpeg", "jpeg_compressibility"),
     "jpeg_incompressibility": _lazy("jpeg", "jpeg_incompressibility"),
     "pickscore": _lazy("pickscore", "pickscore"),
@@ -113,7 +114,9 @@ class MultiReward:
         reward is trained, every shapes metric whatever the training reward (the hacking-sensitive ones included):
         `shapes` (GenEval-style partial score), `shapes_strict` (all requirements met), `shapes_clean`, `shapes_exact`
         (the asked objects and nothing else), `objects` and `objects_extra` (detected and extra objects per image),
-        `prompt_specific_gap` (score against the image's own prompt minus against another prompt of its category)."""
+        `prompt_specific_gap` (score against the image's own prompt minus against another prompt of its category);
+        whenever `edit` is trained, the edit metrics: `edit_exact` (the asked change and nothing else), `edit_asked`,
+        `rest_unchanged` (every object not named kept) and `objects_extra`."""
         out = self(images, prompts)
         if {"shapes", "shapes_clean"} & set(self.weights):  # SHAPES_METRICS
             from rewards import shapes
@@ -130,12 +133,18 @@ class MultiReward:
                     "prompt_specific_gap": m["score"] - m["wrong"],
                 }
             )
+        if "edit" in self.weights:  # EDIT_METRICS
+            from rewards import edit
+
+            m = edit.evaluate(images, list(prompts))
+            out.update({name: m[name] for name in EDIT_METRICS})
         if "ocr" in self.weights:
             out["ocr_strict"] = (out["ocr"] == 1).float()
         return out
 
 
 SHAPES_METRICS = ("shapes", "shapes_strict", "shapes_clean", "shapes_exact", "objects", "objects_extra", "prompt_specific_gap")
+EDIT_METRICS = ("edit", "edit_exact", "edit_asked", "rest_unchanged", "objects_extra")
 
 
 def eval_metrics(names: Iterable[str]) -> set:
@@ -144,6 +153,8 @@ def eval_metrics(names: Iterable[str]) -> set:
     out = set(names)
     if {"shapes", "shapes_clean"} & out:
         out.update(SHAPES_METRICS)
+    if "edit" in out:
+        out.update(EDIT_METRICS)
     if "ocr" in out:
         out.add("ocr_strict")
     return out
