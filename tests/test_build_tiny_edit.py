@@ -1,0 +1,132 @@
+"""The tiny-edit recipe (`assets/build_tiny_edit.py`): its training inputs are laid out as the stock
+FluxKontextPipeline lays out its transformer inputs (tokens, position ids, timestep, text), a tiny build runs, is
+deterministic and loads in the stock pipeline, and bad flags fail with one line before any work."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxKontextPipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from assets import build_tiny_edit as recipe
+from assets import edit_world, world
+from assets.build_tiny_shapes import build_tokenizer, build_vae
+from tests.conftest import REPO
+
+SCRIPT = str(REPO / "assets" / "build_tiny_edit.py")
+
+
+@pytest.fixture(scope="module")
+def random_pipe():
+    """An untrained pipeline from the recipe's parts, with scaled latents as a build leaves them."""
+    tok = build_tokenizer(sorted({w for i in edit_world.all_instructions() for w in i.split()}), recipe.MAX_TOKENS)
+    clip, t5 = recipe.build_text_encoders(tok, seed=0)
+    vae = build_vae(seed=1)
+    vae.register_to_config(shift_factor=0.1, scaling_factor=1.7)
+    pipe = FluxKontextPipeline(
+        scheduler=recipe.build_scheduler(),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tok,
+        text_encoder_2=t5,
+        tokenizer_2=tok,
+        transformer=recipe.build_transformer(seed=2, layers=1, single_layers=1, heads=2),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    for module in (clip, t5, vae, pipe.transformer):
+        module.eval().requires_grad_(False)
+    return pipe
+
+
+def test_training_inputs_are_the_pipelines(random_pipe):
+    """One stock step with a hook on the transformer: its hidden states are [noise tokens, reference tokens] as
+    `pack` writes them, its position ids `kontext_ids`, its timestep sigma, its text `text_embeddings`."""
+    pipe, seen = random_pipe, {}
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    instructions = ["make the circle red", "move the blue square to the left"]
+    scenes = [edit_world.task(i)[0] for i in instructions]
+    noise = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    try:
+        pipe(
+            image=[Image.fromarray(world.render(list(s))) for s in scenes],
+            prompt=instructions,
+            latents=recipe.pack(noise),
+            height=64,
+            width=64,
+            max_area=64 * 64,
+            _auto_resize=False,
+            max_sequence_length=recipe.MAX_TOKENS,
+            num_inference_steps=2,
+            output_type="latent",
+        )
+    finally:
+        hook.remove()
+    images = torch.from_numpy(np.stack([world.render(list(s)) for s in scenes])).permute(0, 3, 1, 2).float() / 127.5 - 1
+    reference = (pipe.vae.encode(images).latent_dist.mode() - 0.1) * 1.7
+    assert torch.allclose(seen["hidden_states"][:, 64:], recipe.pack(reference), atol=1e-5)
+    assert seen["hidden_states"].shape == (2, 128, 16)
+    assert torch.equal(seen["img_ids"], recipe.kontext_ids(16, 16))
+    assert torch.equal(recipe.kontext_ids(4, 4)[:, 0], torch.tensor([0.0] * 4 + [1.0] * 4))
+    assert torch.equal(recipe.kontext_ids(4, 4)[:4, 1:], torch.tensor([[0.0, 0], [0, 1], [1, 0], [1, 1]]))
+    # the second step's timestep: sigma of the shifted schedule, mu = log 2 at 64 tokens, so shift 2 (0.5 -> 2/3)
+    assert torch.allclose(seen["timestep"], torch.full((2,), 2 / 3))
+    ids = pipe.tokenizer(instructions, padding="max_length", max_length=recipe.MAX_TOKENS, return_tensors="pt").input_ids
+    embeds, pooled = recipe.text_embeddings(pipe, ids)
+    assert torch.equal(seen["encoder_hidden_states"], embeds) and torch.equal(seen["pooled_projections"], pooled)
+    assert seen["guidance"] is None
+
+
+def test_pack_is_the_pipelines():
+    x = torch.randn(2, 4, 16, 16)
+    assert torch.equal(recipe.pack(x), FluxKontextPipeline._pack_latents(x, 2, 4, 16, 16))
+    # a token is one 2x2 patch, channels outermost: token (r, c) holds x[:, ch, 2r + i, 2c + j] at ch * 4 + i * 2 + j
+    assert torch.equal(recipe.pack(x)[:, 1 * 8 + 3, 2 * 4 + 1 * 2 + 0], x[:, 2, 2 * 1 + 1, 2 * 3 + 0])
+
+
+def build(out, *extra):
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--num-pairs", "32", "--vae-steps", "2", "--flow-steps", "2", "--batch", "4"]
+        + ["--layers", "1", "--single-layers", "1", "--heads", "2", "--threads", "1", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+
+
+def test_tiny_build_runs_is_deterministic_and_loads(tmp_path):
+    first = build(tmp_path / "a", "--eval-steps", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "held-out (28 instructions): edit " in first.stdout and "s per step, ~" in first.stdout
+    assert build(tmp_path / "b", "--eval-steps", "0").returncode == 0
+    for part in ("transformer", "vae"):
+        name = "diffusion_pytorch_model.safetensors"
+        a, b = load_file(tmp_path / "a" / part / name), load_file(tmp_path / "b" / part / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    pipe = FluxKontextPipeline.from_pretrained(tmp_path / "a")
+    assert pipe.transformer.config.guidance_embeds is False and pipe.tokenizer_2.model_max_length == recipe.MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-pairs", "0"], "--num-pairs 0: must be > 0"),
+        (["--flow-steps", "-1"], "--flow-steps -1: must be >= 0"),
+        (["--lr", "nan"], "--lr nan: must be a positive number"),
+        (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
+        (["--vae-from", "assets/edit"], "--vae-from assets/edit: not a pipeline folder"),
+        (["--out", "README.md"], "exists and is not a folder"),
+        (["--out", "no/such/folder/x"], "does not exist"),
+    ],
+)
+def test_bad_flags_fail_in_one_line(tmp_path, flags, message):
+    out = tmp_path / "out"
+    args = [sys.executable, SCRIPT, "--out", str(out)] + flags
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()
