@@ -65,66 +65,46 @@ def kept_at(found: dict, obj) -> bool:
 
 
 def score_one(found: list, source, instruction: str) -> dict:
-    """asked, kept, rest, extra of one output's components `found` (shapes.components) for an instruction on `source`."""
+    """asked, kept, rest, extra of one output's components `found` (shapes.components) for an instruction on `source`.
+    Scenes hold one object per (colour, shape) before and after an edit, so each component matches at most one
+    object and the greedy matching below is the only one."""
     want = edit_world.parse_instruction(instruction)
     named = None
     if want["edit"] != "add":
-        named = next(o for o in source if o[1] == want["shape"] and want["color"] in (None, o[0]))
+        named = next((o for o in source if o[1] == want["shape"] and want["color"] in (None, o[0])), None)
+        if named is None:
+            raise ValueError(f"the source scene {source} has no object that {instruction!r} names")
     rest = [o for o in source if o is not named]
     used = set()
-    for obj in rest:  # each kept object takes the nearest matching component
+    for obj in rest:
         cx, cy = centre(obj)
         matches = [k for k, f in enumerate(found) if k not in used and kept_at(f, obj)]
-        if matches:
+        if matches:  # the nearest, should a blob of the same colour and shape lie within the tolerance too
             used.add(min(matches, key=lambda k: math.hypot(found[k]["x"] - cx, found[k]["y"] - cy)))
-    free = [k for k in range(len(found)) if k not in used]
+    free = [found[k] for k in range(len(found)) if k not in used]
 
-    asked = None
+    def is_pair(f, color, shape):
+        return is_object(f) and (f["color"], f["shape"]) == (color, shape)
+
+    if want["edit"] == "remove":  # nothing left on its place (in any colour), and nothing of its kind anywhere
+        cx, cy = centre(named)
+        asked = not any(math.hypot(f["x"] - cx, f["y"] - cy) <= POSITION_TOLERANCE or is_pair(f, *named[:2]) for f in free)
+        return {"asked": asked, "kept": len(used), "rest": len(rest), "extra": len(free)}
     if want["edit"] == "recolor":
         after = (want["new_color"],) + named[1:]
-        asked = next((k for k in free if kept_at(found[k], after)), None)
+        hits = [f for f in free if kept_at(f, after)]
     elif want["edit"] == "add":
-        asked = next(
-            (
-                k
-                for k in free
-                if is_object(found[k]) and (found[k]["color"], found[k]["shape"]) == (want["new_color"], want["shape"])
-            ),
-            None,
-        )
-    elif want["edit"] == "move":
-        (ux, uy), (cx, cy) = edit_world.DIRECTIONS[want["direction"]], centre(named)
-
-        def moved(f):
-            along, across = (f["x"] - cx) * ux + (f["y"] - cy) * uy, abs((f["x"] - cx) * uy - (f["y"] - cy) * ux)
-            return along >= MIN_MOVE and across <= POSITION_TOLERANCE
-
-        asked = next(
-            (
-                k
-                for k in free
-                if is_object(found[k])
-                and found[k]["color"] == named[0]
-                and found[k]["shape"] == named[1]
-                and same_size(found[k], named)
-                and moved(found[k])
-            ),
-            None,
-        )
-    if asked is not None:
-        used.add(asked)
-        made = True
-    elif want["edit"] == "remove":  # neither left in place (in any colour) nor anywhere else
-        cx, cy = centre(named)
-        made = not any(
-            math.hypot(found[k]["x"] - cx, found[k]["y"] - cy) <= POSITION_TOLERANCE
-            or (is_object(found[k]) and (found[k]["color"], found[k]["shape"]) == named[:2])
-            for k in free
-        )
+        hits = [f for f in free if is_pair(f, want["new_color"], want["shape"])]
     else:
-        made = False
-    kept = len(used) - (asked is not None)
-    return {"asked": made, "kept": kept, "rest": len(rest), "extra": len(found) - len(used)}
+        (ux, uy), (cx, cy) = edit_world.DIRECTIONS[want["direction"]], centre(named)
+        along = [(f["x"] - cx) * ux + (f["y"] - cy) * uy for f in free]
+        across = [abs((f["x"] - cx) * uy - (f["y"] - cy) * ux) for f in free]
+        hits = [
+            f
+            for f, a, c in zip(free, along, across)
+            if is_pair(f, *named[:2]) and same_size(f, named) and a >= MIN_MOVE and c <= POSITION_TOLERANCE
+        ]
+    return {"asked": bool(hits), "kept": len(used), "rest": len(rest), "extra": len(free) - bool(hits)}
 
 
 @torch.no_grad()

@@ -339,6 +339,21 @@ def test_bad_prompts_fail_before_the_model_loads():
         rewards.load_rewards("edit", "cpu", ["make the circle red", "a red circle"])
     with pytest.raises(ValueError, match="expected images"):
         edit.evaluate(torch.zeros(2, 3, 64, 64), ["remove the circle"])
+    with pytest.raises(ValueError, match="has no object that 'remove the red circle' names"):
+        scored([[]], ["remove the red circle"], [[("blue", "circle", 5, 5, 12)]])
+
+
+def test_bounded_on_noise_and_blobs():
+    """Noise, flat colours and smudges: every score in [0, 1], exact only where asked and the rest hold."""
+    instructions = list(TASKS)[::3]
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.rand(len(instructions), 3, 64, 64, generator=gen)
+    smooth = F.interpolate(torch.rand(len(instructions), 3, 8, 8, generator=gen), size=64, mode="bilinear")
+    for images in (noise, smooth, torch.ones(len(instructions), 3, 64, 64)):
+        m = edit.evaluate(images, instructions)
+        assert ((m["edit"] >= 0) & (m["edit"] <= 1)).all()
+        assert (m["edit_exact"] <= m["edit_asked"] * m["rest_unchanged"]).all()
+        assert (m["edit"][m["edit_exact"] == 1] == 1).all() and (m["edit"][m["edit_asked"] == 0] == 0).all()
 
 
 def test_any_resolution():
