@@ -10,12 +10,12 @@ README section:
 `FluxTransformer2DModel` (2 double-stream and 4 single-stream blocks of width 128, no guidance embedding), a tiny
 `AutoencoderKL` (64x64x3 -> 16x16x4, the tiny-shapes design), a tiny `CLIPTextModel` (pooled) and a tiny
 `T5EncoderModel` (sequence), both reading a word-level CLIP tokenizer of the edit grammar (a T5 tokenizer cannot be
-built offline; the pipeline only calls it). It was pretrained on 20,000 (source, instruction, edited) pairs of the edit
-world (`assets/edit_world.py`: recolor, add, remove, move), never performing a held-out edit, with Kontext's
-conditioning: the source image's latents are extra tokens after the noisy ones, with position ids (1, row, col)
-where the noisy tokens have (0, row, col), and the transformer's output on them is dropped. 10% of the pairs drop
-the instruction (never the image), so that two-pass CFG (`true_cfg_scale` with `negative_prompt=""`) works. It loads
-and samples with the stock pipeline:
+built offline; the pipeline only calls it). It is pretrained on 20,000 (source, instruction, edited) pairs of the
+edit world (`assets/edit_world.py`: recolor, add, remove, move) that never perform a held-out edit and show each of
+the 203 other instructions, with Kontext's conditioning: the source image's latents are extra tokens after the noisy
+ones, with position ids (1, row, col) where the noisy tokens have (0, row, col), and the transformer's output on them
+is dropped. 10% of the pairs drop the instruction (never the image), so that two-pass CFG (`true_cfg_scale` with
+`negative_prompt=""`) works. It loads and samples with the stock pipeline:
 
     pipe = FluxKontextPipeline.from_pretrained("assets/tiny-edit")
     pipe(image=scene, prompt="make the circle red", height=64, width=64, max_area=64 * 64, _auto_resize=False,

@@ -142,7 +142,7 @@ def test_prompt_files_match_the_world():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pretraining():
-    return edit_world.make_dataset(4000, seed=0)  # the builder's data seed
+    return edit_world.make_dataset(20000, seed=0)  # the builder's default pairs
 
 
 def test_pretraining_never_performs_a_held_out_edit(pretraining):
@@ -154,7 +154,9 @@ def test_pretraining_never_performs_a_held_out_edit(pretraining):
         assert key not in edit_world.HELD_OUT_EDITS, (instruction, source, target)
         assert edit_world.task(instruction) != (tuple(source), tuple(target))
         done[key[0]] += 1
-    assert min(done.values()) > 800  # uniform over the four edits
+    assert min(done.values()) > 4800  # uniform over the four edits
+    trained = set(edit_world.all_instructions()) - held
+    assert {i for i, _, _ in pretraining} == trained  # every RL train instruction is seen in pretraining
     # every held-out triple is absent only as an edit: its colour-shape pair is edited otherwise and shown in scenes
     shown = {o[:2] for _, source, _ in pretraining for o in source}
     for e, color, shape in edit_world.HELD_OUT_EDITS:
