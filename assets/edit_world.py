@@ -19,11 +19,11 @@ scenes, and other triangles are removed), only the combination is new. The test 
 instructions that name a held-out triple (`held_out_instructions`), each on a scene drawn from its own seed, which
 the tests check against the pretraining scenes; the RL train prompts are every other instruction of the grammar.
 
-Reward lookup. A reward sees only (images, prompts), so each instruction string has one canonical scene,
-`task(instruction)`, drawn from a generator seeded by the instruction's text: the prompt files pair each instruction
-with the render of that scene, and `rewards/edit.py` scores an output against it. A prompt file that pairs an
-instruction with another image is therefore scored against the wrong scene: edit prompt files come from this
-module (`python assets/edit_world.py` writes assets/edit/{train,test}.jsonl and their images).
+Canonical scenes. Each instruction string has one canonical scene, `task(instruction)`, drawn from a generator
+seeded by its text: the prompt files pair each instruction with the render of that scene (203 train and 28 test
+(scene, instruction) pairs), and the `edit` reward (`rewards/edit.py`) reads the source scene from the
+prompt's image, or, for a prompt that reaches it as a plain string (a reward server), uses the canonical scene.
+`python assets/edit_world.py` writes assets/edit/{train,test}.jsonl and their images.
 Pretraining pairs (`make_dataset`) draw many scenes per instruction from a separate seed.
 """
 

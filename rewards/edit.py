@@ -1,11 +1,12 @@
 """The `edit` reward of the edit world (`assets/edit_world.py`): was the asked edit made, and nothing else changed?
 
-The output image is read by the shapes detector (`rewards/shapes.py`: every coloured component of at least MIN_AREA
-pixels, named after the shape template it fits best) and compared with the instruction's source scene,
-`edit_world.task(instruction)` (a reward sees only images and prompts: each instruction has one canonical scene, the
-one its prompt file shows). An object of the source scene that the instruction does not name is *kept* when an
-object of its colour and shape lies within POSITION_TOLERANCE pixels of its centre, at its size within SIZE_TOLERANCE.
-The *asked* change is made when:
+The output image and the source scene are read by the shapes detector (`rewards/shapes.py`: every coloured component
+of at least MIN_AREA pixels, named after the shape template it fits best, with its centroid and area). The source
+scene is the prompt's own image when the prompt carries one (a `common.Prompt` record of a jsonl line
+{"prompt": ..., "image": ...}); a prompt without it (a plain string, e.g. through a reward server) is scored against
+its instruction's canonical scene, `edit_world.task`, which the edit prompt files show. An object of the source that
+the instruction does not name is *kept* when an object of its colour and shape lies within POSITION_TOLERANCE pixels
+of its centroid, at its size within SIZE_TOLERANCE. The *asked* change is made when:
   recolor  an object of the new colour and the shape lies at the named object's place and size;
   add      an object of the asked colour and shape lies anywhere, apart from the kept objects;
   remove   no component (but the kept objects) lies on the named object's place, and none of its colour and shape
@@ -23,9 +24,12 @@ unasked, scores in between; only the exact edit scores 1. The metrics no reward 
 `edit_asked`, `rest_unchanged` (every other object kept) and `objects_extra`.
 """
 
+import functools
 import math
+import re
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from assets import edit_world
@@ -44,66 +48,105 @@ def centre(obj) -> tuple:
     return x + size / 2, y + (2 / 3 if shape == "triangle" else 1 / 2) * size
 
 
-def same_size(found: dict, obj) -> bool:
-    expected = AREA_PER_SIDE2[obj[1]] * obj[4] ** 2
-    return abs(math.sqrt(found["area"] / expected) - 1) <= SIZE_TOLERANCE
+def world_objects(scene) -> list:
+    """World objects (colour, shape, x, y, size) as the detector describes objects: colour, shape, centroid, area."""
+    return [
+        {"color": o[0], "shape": o[1], "x": centre(o)[0], "y": centre(o)[1], "area": AREA_PER_SIDE2[o[1]] * o[4] ** 2}
+        for o in scene
+    ]
+
+
+def instruction_of(prompt: str) -> str:
+    """The instruction of a prompt: a `common.Prompt` record's text, or the string without the record key's
+    " [<image> <digest>]" tail (a record that became a plain string, e.g. on its way to a reward server)."""
+    return getattr(prompt, "text", None) or re.sub(r" \[[^\[\]]* [0-9a-f]+\]$", "", prompt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _detected_scene(key: str, path: str) -> tuple:
+    """The objects of a source image, detected once per prompt key (the key holds the file's digest)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None].float() / 255
+    found = shapes.components(pixels)[0]
+    if not found or not all(is_object(f) for f in found):
+        raise ValueError(f"its image {path} is not a scene of the shapes world (a blob that is no shape, or no object)")
+    return tuple({k: f[k] for k in ("color", "shape", "x", "y", "area")} for f in found)
+
+
+def source_scene(prompt: str) -> list:
+    """The source objects of a prompt: detected in its image if it carries one, else its instruction's canonical scene."""
+    image = getattr(prompt, "image", None)
+    if image is not None:
+        return list(_detected_scene(str(prompt), str(image)))
+    return world_objects(edit_world.task(instruction_of(prompt))[0])
+
+
+def same_size(found: dict, ref: dict) -> bool:
+    return abs(math.sqrt(found["area"] / ref["area"]) - 1) <= SIZE_TOLERANCE
 
 
 def is_object(found: dict) -> bool:
     return found["iou"] >= shapes.MIN_IOU
 
 
-def kept_at(found: dict, obj) -> bool:
-    """found (a detected component) is obj (colour, shape, x, y, size) left as it was."""
-    cx, cy = centre(obj)
+def is_pair(found: dict, color: str, shape: str) -> bool:
+    return is_object(found) and (found["color"], found["shape"]) == (color, shape)
+
+
+def kept_at(found: dict, ref: dict) -> bool:
+    """found (a detected component) is the reference object ref left as it was: colour, shape, place and size."""
     return (
-        is_object(found)
-        and (found["color"], found["shape"]) == obj[:2]
-        and math.hypot(found["x"] - cx, found["y"] - cy) <= POSITION_TOLERANCE
-        and same_size(found, obj)
+        is_pair(found, ref["color"], ref["shape"])
+        and math.hypot(found["x"] - ref["x"], found["y"] - ref["y"]) <= POSITION_TOLERANCE
+        and same_size(found, ref)
     )
 
 
-def score_one(found: list, source, instruction: str) -> dict:
-    """asked, kept, rest, extra of one output's components `found` (shapes.components) for an instruction on `source`.
-    Scenes hold one object per (colour, shape) before and after an edit, so each component matches at most one
-    object and the greedy matching below is the only one."""
+def named_object(source: list, want: dict, instruction: str) -> dict:
+    """The one source object an instruction names; ValueError if the scene has none or several."""
+    named = [o for o in source if o["shape"] == want["shape"] and want["color"] in (None, o["color"])]
+    if len(named) != 1:
+        raise ValueError(f"its scene has {len(named) or 'no'} objects that {instruction!r} names, not one")
+    return named[0]
+
+
+def score_one(found: list, source: list, instruction: str) -> dict:
+    """asked, kept, rest, extra of one output's components `found` (shapes.components) for an instruction on the
+    source objects `source` (`source_scene`). Scenes hold one object per (colour, shape) before and after an edit, so
+    each component matches at most one object and the greedy matching below is the only one."""
     want = edit_world.parse_instruction(instruction)
-    named = None
-    if want["edit"] != "add":
-        named = next((o for o in source if o[1] == want["shape"] and want["color"] in (None, o[0])), None)
-        if named is None:
-            raise ValueError(f"the source scene {source} has no object that {instruction!r} names")
+    named = named_object(source, want, instruction) if want["edit"] != "add" else None
     rest = [o for o in source if o is not named]
     used = set()
-    for obj in rest:
-        cx, cy = centre(obj)
-        matches = [k for k, f in enumerate(found) if k not in used and kept_at(f, obj)]
+    for ref in rest:
+        matches = [k for k, f in enumerate(found) if k not in used and kept_at(f, ref)]
         if matches:  # the nearest, should a blob of the same colour and shape lie within the tolerance too
-            used.add(min(matches, key=lambda k: math.hypot(found[k]["x"] - cx, found[k]["y"] - cy)))
+            used.add(min(matches, key=lambda k: math.hypot(found[k]["x"] - ref["x"], found[k]["y"] - ref["y"])))
     free = [found[k] for k in range(len(found)) if k not in used]
 
-    def is_pair(f, color, shape):
-        return is_object(f) and (f["color"], f["shape"]) == (color, shape)
-
     if want["edit"] == "remove":  # nothing left on its place (in any colour), and nothing of its kind anywhere
-        cx, cy = centre(named)
-        asked = not any(math.hypot(f["x"] - cx, f["y"] - cy) <= POSITION_TOLERANCE or is_pair(f, *named[:2]) for f in free)
-        return {"asked": asked, "kept": len(used), "rest": len(rest), "extra": len(free)}
+        left = [
+            f
+            for f in free
+            if math.hypot(f["x"] - named["x"], f["y"] - named["y"]) <= POSITION_TOLERANCE
+            or is_pair(f, named["color"], named["shape"])
+        ]
+        return {"asked": not left, "kept": len(used), "rest": len(rest), "extra": len(free)}
     if want["edit"] == "recolor":
-        after = (want["new_color"],) + named[1:]
-        hits = [f for f in free if kept_at(f, after)]
+        hits = [f for f in free if kept_at(f, dict(named, color=want["new_color"]))]
     elif want["edit"] == "add":
         hits = [f for f in free if is_pair(f, want["new_color"], want["shape"])]
     else:
-        (ux, uy), (cx, cy) = edit_world.DIRECTIONS[want["direction"]], centre(named)
-        along = [(f["x"] - cx) * ux + (f["y"] - cy) * uy for f in free]
-        across = [abs((f["x"] - cx) * uy - (f["y"] - cy) * ux) for f in free]
-        hits = [
-            f
-            for f, a, c in zip(free, along, across)
-            if is_pair(f, *named[:2]) and same_size(f, named) and a >= MIN_MOVE and c <= POSITION_TOLERANCE
-        ]
+        ux, uy = edit_world.DIRECTIONS[want["direction"]]
+        hits = []
+        for f in free:
+            dx, dy = f["x"] - named["x"], f["y"] - named["y"]
+            along, across = dx * ux + dy * uy, abs(dx * uy - dy * ux)
+            if is_pair(f, named["color"], named["shape"]) and same_size(f, named):
+                if along >= MIN_MOVE and across <= POSITION_TOLERANCE:
+                    hits.append(f)
     return {"asked": bool(hits), "kept": len(used), "rest": len(rest), "extra": len(free) - bool(hits)}
 
 
@@ -117,14 +160,15 @@ def evaluate(images: torch.Tensor, prompts: list, sources: Optional[list] = None
     rest_unchanged  1 iff every object the instruction does not name is kept (colour, shape, place and size)
     objects_extra   components that are neither kept nor the asked object
 
-    `sources`: the source scenes (world objects) of the instructions; None: each instruction's canonical scene
-    (`edit_world.task`), as the reward scores them.
+    `sources`: the source scenes as world objects (colour, shape, x, y, size); None: each prompt's own
+    (`source_scene`: its image's objects, or its instruction's canonical scene), as the reward scores them.
     """
     if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
         raise ValueError(f"expected images [B, 3, H, W] and B prompts, got {tuple(images.shape)} and {len(prompts)} prompts")
-    if sources is None:
-        sources = [edit_world.task(p)[0] for p in prompts]  # a bad instruction fails before any detection work
-    rows = [score_one(found, src, p) for found, src, p in zip(shapes.components(images), sources, prompts)]
+    instructions = [instruction_of(p) for p in prompts]
+    # the sources first: a bad instruction or scene fails before any detection work on the outputs
+    sources = [source_scene(p) for p in prompts] if sources is None else [world_objects(s) for s in sources]
+    rows = [score_one(found, src, i) for found, src, i in zip(shapes.components(images), sources, instructions)]
     out = {
         "edit": [r["asked"] * (1 + r["kept"]) / (1 + r["rest"] + r["extra"]) for r in rows],
         "edit_exact": [float(r["asked"] and r["kept"] == r["rest"] and r["extra"] == 0) for r in rows],
@@ -136,8 +180,8 @@ def evaluate(images: torch.Tensor, prompts: list, sources: Optional[list] = None
 
 
 def edit(device: Optional[torch.device] = None) -> Callable:
-    """The `edit` reward: fn(images [B, 3, H, W] float in [0, 1], instructions) -> asked x (1 + kept) / (1 + rest +
-    extra) [B] against each instruction's canonical scene (see the module docstring). Runs on the images' device."""
+    """The `edit` reward: fn(images [B, 3, H, W] float in [0, 1], prompts) -> asked x (1 + kept) / (1 + rest + extra)
+    [B] against each prompt's source scene (see the module docstring). Runs on the images' device."""
 
     def fn(images: torch.Tensor, prompts: list) -> torch.Tensor:
         return evaluate(images, prompts)["edit"]
@@ -148,11 +192,18 @@ def edit(device: Optional[torch.device] = None) -> Callable:
 
 
 def _check_prompts(prompts) -> None:
-    """Run before the model loads (rewards.load_rewards): every prompt is an edit instruction of the grammar."""
+    """Run before the model loads (rewards.load_rewards): every prompt is an edit instruction of the grammar, and its
+    image (if it carries one) a world scene holding the one object it names. The error shows the first bad prompt."""
     from common import UserError, short
 
     for p in dict.fromkeys(prompts):
         try:
-            edit_world.parse_instruction(p)
+            want = edit_world.parse_instruction(instruction_of(p))
         except ValueError:
             raise UserError(f"the edit reward cannot score the prompt {short(p)} ({edit_world.GRAMMAR})") from None
+        try:
+            source = source_scene(p)
+            if want["edit"] != "add":
+                named_object(source, want, instruction_of(p))
+        except (OSError, ValueError) as e:
+            raise UserError(f"the edit reward cannot score the prompt {short(p)}: {e}") from None

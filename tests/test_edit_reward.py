@@ -313,6 +313,60 @@ def test_tolerances():
     assert math.isclose(edit.centre(("red", "triangle", 0, 0, 12))[1], 8.0)
 
 
+class Record(str):
+    """A prompt with its image, as common.Prompt: the string is a key "<text> [<image> <digest>]"."""
+
+    def __new__(cls, text: str, image: Path):
+        record = super().__new__(cls, f"{text} [{image.name} 0123456789ab]")
+        record.text, record.image = text, image
+        return record
+
+
+def test_a_prompt_with_its_image_is_scored_against_that_image(tmp_path):
+    folder = REPO / "assets" / "edit"
+    rows = [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines()]
+    records = [Record(r["prompt"], folder / r["image"]) for r in rows]
+    m = scored([TASKS[r["prompt"]][1] for r in rows], records)
+    assert m["edit_exact"].tolist() == [1.0] * len(rows)
+    assert scored([TASKS[r["prompt"]][0] for r in rows], records)["edit"].tolist() == [0.0] * len(rows)
+    # another scene for the same instruction: the record's image decides, the canonical scene does not
+    source = [("blue", "square", 30, 40, 16), ("red", "circle", 6, 6, 12)]
+    Image.fromarray(world.render(source)).save(tmp_path / "mine.png")
+    record = Record("move the blue square up", tmp_path / "mine.png")
+    moved = [("blue", "square", 30, 22, 16), ("red", "circle", 6, 6, 12)]
+    assert scored([moved], [record])["edit_exact"].item() == 1
+    assert scored([TASKS["move the blue square up"][1]], [record])["edit"].item() == 0
+    assert scored([moved], ["move the blue square up"])["edit"].item() == 0  # the canonical scene is elsewhere
+
+
+def test_a_records_key_reads_as_its_instruction():
+    assert edit.instruction_of("make the circle red [images/make-the-circle-red.png 0a1b2c3d4e5f]") == "make the circle red"
+    assert edit.instruction_of("make the circle red") == "make the circle red"
+    source, target = TASKS["make the circle red"]
+    assert scored([target], ["make the circle red [images/make-the-circle-red.png 0a1b2c3d4e5f]"])["edit"].item() == 1
+
+
+@pytest.mark.parametrize(
+    "scene, message",
+    [
+        ([("red", "square", 10, 10, 14)], "its scene has no objects that 'remove the circle' names, not one"),
+        ([("red", "circle", 10, 10, 14), ("blue", "circle", 40, 40, 14)], "its scene has 2 objects that 'remove"),
+        ([], "is not a scene of the shapes world"),
+        (None, "is not a scene of the shapes world"),  # noise
+        ("missing", "No such file"),
+    ],
+)
+def test_a_records_image_is_checked_before_the_model_loads(tmp_path, scene, message):
+    path = tmp_path / "scene.png"
+    if scene is None:
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path)
+    elif scene != "missing":
+        Image.fromarray(world.render(scene)).save(path)
+    with pytest.raises(UserError, match="the edit reward cannot score the prompt 'remove the circle") as error:
+        rewards.load_rewards("edit", "cpu", ["remove the circle", Record("remove the circle", path)])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 def test_the_canonical_lookup_is_what_the_reward_scores():
     instruction = "move the blue square up"
     source, target = edit_world.task(instruction)
@@ -341,7 +395,7 @@ def test_bad_prompts_fail_before_the_model_loads():
         rewards.load_rewards("edit", "cpu", ["make the circle red", "a red circle"])
     with pytest.raises(ValueError, match="expected images"):
         edit.evaluate(torch.zeros(2, 3, 64, 64), ["remove the circle"])
-    with pytest.raises(ValueError, match="has no object that 'remove the red circle' names"):
+    with pytest.raises(ValueError, match="its scene has no objects that 'remove the red circle' names, not one"):
         scored([[]], ["remove the red circle"], [[("blue", "circle", 5, 5, 12)]])
 
 
