@@ -2,9 +2,6 @@
 FluxKontextPipeline lays out its transformer inputs (tokens, position ids, timestep, text), a tiny build runs, is
 deterministic and loads in the stock pipeline, and bad flags fail with one line before any work."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -15,9 +12,9 @@ from safetensors.torch import load_file
 from assets import build_tiny_edit as recipe
 from assets import edit_world, world
 from assets.build_tiny_shapes import build_tokenizer, build_vae
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script, scalars
 
-SCRIPT = str(REPO / "assets" / "build_tiny_edit.py")
+SCRIPT = "assets/build_tiny_edit.py"
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +85,10 @@ def test_pack_is_the_pipelines():
 
 
 def build(out, *extra):
-    return subprocess.run(
-        [sys.executable, SCRIPT, "--num-pairs", "32", "--vae-steps", "2", "--flow-steps", "2", "--batch", "4"]
-        + ["--layers", "1", "--single-layers", "1", "--heads", "2", "--threads", "1", "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
+    return run_script(
+        [SCRIPT, "--num-pairs", "32", "--vae-steps", "2", "--flow-steps", "2", "--batch", "4", "--layers", "1"]
+        + ["--single-layers", "1", "--heads", "2", "--threads", "1", "--out", out, *extra],
+        check=False,
     )
 
 
@@ -110,6 +104,22 @@ def test_tiny_build_runs_and_loads(tiny_build):
     assert "held-out (28 instructions): edit " in result.stdout and "s per step, ~" in result.stdout
     pipe = FluxKontextPipeline.from_pretrained(out)
     assert pipe.transformer.config.guidance_embeds is False and pipe.tokenizer_2.model_max_length == recipe.MAX_TOKENS
+
+
+def test_an_rl_run_on_the_build_logs_the_edit_metrics(tiny_build, tmp_path):
+    """The recipe's pipeline, the edit prompt files and the edit reward in a training script (GRPO, one epoch)."""
+    out, _ = tiny_build
+    edit = REPO / "assets" / "edit"
+    run_script(
+        ["algos/grpo.py", "--model", out, "--reward", "edit", "--train-prompts", edit / "train.jsonl"]
+        + ["--test-prompts", edit / "test.jsonl", "--num-prompts", "2", "--group-size", "4", "--micro-batch", "4"]
+        + ["--num-steps", "4", "--num-sde-steps", "2", "--num-epochs", "1", "--output-dir", tmp_path / "runs"]
+    )
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logged = scalars(run_dir)
+    for name in ("edit", "edit_exact", "edit_asked", "rest_unchanged", "objects_extra"):
+        assert len(logged[f"eval/{name}"]) == 2, name  # before and after training
+    assert logged["eval/edit_exact"][0] <= logged["eval/edit_asked"][0]
 
 
 @pytest.mark.slow
@@ -136,8 +146,7 @@ def test_tiny_build_is_deterministic(tiny_build, tmp_path):
 )
 def test_bad_flags_fail_in_one_line(tmp_path, flags, message):
     out = tmp_path / "out"
-    args = [sys.executable, SCRIPT, "--out", str(out)] + flags
-    result = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = run_script([SCRIPT, "--out", out, *flags], check=False)
     assert result.returncode == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not out.exists()

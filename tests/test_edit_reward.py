@@ -339,6 +339,19 @@ def test_a_prompt_with_its_image_is_scored_against_that_image(tmp_path):
     assert scored([moved], ["move the blue square up"])["edit"].item() == 0  # the canonical scene is elsewhere
 
 
+def test_the_prompt_files_load_as_image_prompts_the_reward_scores():
+    """Through common.load_prompts (the scripts' path): Prompt records whose image the reward reads."""
+    import common
+
+    for name in ("train", "test"):
+        prompts = common.load_prompts(str(REPO / "assets" / "edit" / f"{name}.jsonl"))
+        assert all(isinstance(p, common.Prompt) and p.size == (64, 64) for p in prompts)
+        reward = rewards.load_rewards("edit", "cpu", prompts)  # checks every image holds the object it names
+        chosen = prompts[:: max(1, len(prompts) // 40)]
+        out = reward.evaluate(to_tensor([TASKS[p.text][1] for p in chosen]), chosen)
+        assert out["edit_exact"].tolist() == [1.0] * len(chosen) and out["edit"].tolist() == [1.0] * len(chosen)
+
+
 def test_a_records_key_reads_as_its_instruction():
     assert edit.instruction_of("make the circle red [images/make-the-circle-red.png 0a1b2c3d4e5f]") == "make the circle red"
     assert edit.instruction_of("make the circle red") == "make the circle red"
