@@ -574,12 +574,36 @@ def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
     assert len(rows) == 3 and rows[2].startswith("| g | grpo | tiny-shapes | shapes_clean | 32 x 6 |")
 
 
+def test_gradient_noise_shuffles_dpo_pairs():
+    """--shuffled-advantages on DPO permutes the rewards its pairs are chosen from: the pairs are select_pairs' on
+    the permuted rewards (the same permutation drawn independently), not on the images' own rewards."""
+    import torch
+
+    from benchmark.studies.gradient_noise import shuffle_rewards
+
+    spec = importlib.util.spec_from_file_location("dpo_shuffled", REPO / "algos" / "dpo.py")
+    dpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dpo)
+    real = dpo.select_pairs
+    rewards = torch.arange(16, dtype=torch.float32)  # two groups of 8: best = last, worst = first
+    assert real(rewards, 8, "best-worst").tolist() == [[7, 0], [15, 8]]
+    shuffle_rewards(dpo, "dpo", seed=0)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    shuffled = rewards[perm].tolist()
+    expected = [
+        [8 * g + max(range(8), key=lambda i: shuffled[8 * g + i]), 8 * g + min(range(8), key=lambda i: shuffled[8 * g + i])]
+        for g in range(2)
+    ]
+    assert dpo.select_pairs(rewards, 8, "best-worst").tolist() == expected != [[7, 0], [15, 8]]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (
             ["sft"],
-            "usage: gradient_noise.py {grpo,dgpo,nft,awm,crd} [--out FILE] [--shuffled-advantages] [flags] | table FOLDER",
+            "usage: gradient_noise.py {grpo,dgpo,nft,awm,crd,dpo,elbo_grpo} [--out FILE] [--shuffled-advantages] [flags] "
+            "| table FOLDER",
         ),
         (
             ["grpo", "--out", "no/such/folder/g.json"],

@@ -20,8 +20,8 @@ sqrt(B / (B + B_noise)).
 It is also reported with every coordinate divided by its root mean square over the steps (the scaling AdamW applies),
 which is what AdamW's steps see. Standard errors: jackknife over epochs. Prints one line and writes `--out` (json).
 `--shuffled-advantages`: each batch's advantages permuted across its images first (as
-benchmark/studies/shuffled_advantages.py), a control that keeps the loss's form and scale and removes the reward: what signal
-remains does not come from the reward.
+benchmark/studies/shuffled_advantages.py; DPO, which has none: the rewards its pairs are chosen by), a control that keeps
+the loss's form and scale and removes the reward: what signal remains does not come from the reward.
 
     python benchmark/studies/gradient_noise.py table benchmark/results/convergence/testbed8/leg11/gradient_noise
 
@@ -40,7 +40,7 @@ import torch
 import tyro
 
 REPO = Path(__file__).resolve().parents[2]
-ALGOS = ("grpo", "dgpo", "nft", "awm", "crd")
+ALGOS = ("grpo", "dgpo", "nft", "awm", "crd", "dpo", "elbo_grpo")
 
 
 class Recorder:
@@ -99,6 +99,28 @@ def adam_scaled(sums: torch.Tensor, coord_sq: torch.Tensor, steps: int) -> tuple
     w = torch.where(total_sq > 0, steps / total_sq.clamp_min(1e-300), torch.zeros_like(total_sq))
     scaled = sums * w.sqrt()
     return (scaled @ scaled.T).numpy(), (coord_sq @ w).numpy()
+
+
+def shuffle_rewards(module, algo: str, seed: int = 0):
+    """The --shuffled-advantages control, patched into the loaded algorithm `module`: each batch's advantages are
+    permuted across its images (DPO, which has none: the rewards its pairs are chosen by), so the loss keeps its form
+    and scale and the reward no longer says which image is better."""
+    gen = torch.Generator().manual_seed(seed)
+    if algo == "dpo":
+        real_pairs = module.select_pairs
+
+        def shuffled_pairs(rewards, *a, **kw):
+            return real_pairs(rewards[torch.randperm(rewards.numel(), generator=gen)], *a, **kw)
+
+        module.select_pairs = shuffled_pairs
+        return
+    real = module.aggregate_advantages
+
+    def shuffled_advantages(*a, **kw):
+        adv = real(*a, **kw)
+        return adv[torch.randperm(adv.numel(), generator=gen)]
+
+    module.aggregate_advantages = shuffled_advantages
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -218,13 +240,7 @@ def main():
     sys.modules[algo] = module  # tyro reads Args' field docstrings through the module, so it must be findable
     spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
     if shuffled:
-        real, gen = module.aggregate_advantages, torch.Generator().manual_seed(0)
-
-        def shuffled_advantages(*a, **kw):
-            adv = real(*a, **kw)
-            return adv[torch.randperm(adv.numel(), generator=gen)]
-
-        module.aggregate_advantages = shuffled_advantages
+        shuffle_rewards(module, algo)
     import run
 
     tmp = tempfile.TemporaryDirectory(prefix="gradient_noise_")
