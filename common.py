@@ -90,7 +90,12 @@ class Family:
     before loading; these hooks make every caller of the sampler (the benchmark scripts) refuse them too.
     `encode_image(pipe, pixels [B, 3, H, W] in [-1, 1])` -> reference latents [B, ...] of an edit family (FLUX.1-Kontext),
     which `PromptEncoder` caches per image file and `velocity` then receives as `image=` (see `Prompt`); None: the
-    family takes no reference image."""
+    family takes no reference image. `reference_size((width, height))` -> the (width, height) the pipeline resizes a
+    reference image to before its VAE sees it (Qwen-Image-Edit: ~1024^2 pixels at the image's aspect ratio); None: the
+    image as it is, which must then encode to the sampled latents' shape (FLUX.1-Kontext). `encode_records`: the text
+    encoder sees the reference image too (Qwen-Image-Edit's Qwen2.5-VL), so `encode` receives the `Prompt` records
+    (text and image) rather than their text, and the negative prompt is encoded on each prompt's image
+    (`PromptEncoder.negative`)."""
 
     name: str
     pipelines: tuple
@@ -113,6 +118,8 @@ class Family:
     no_cfg: Optional[Callable] = None  # (pipe) -> why it samples without CFG, or None (see above)
     no_negative: Optional[Callable] = None  # (pipe) -> why it takes no negative prompt, or None (see above)
     encode_image: Optional[Callable] = None  # (pipe, pixels) -> reference latents: an edit family (see above)
+    reference_size: Optional[Callable] = None  # ((width, height)) -> the size a reference image is resized to (above)
+    encode_records: bool = False  # `encode` takes the `Prompt` records: the text encoder sees the image (see above)
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/
@@ -196,7 +203,9 @@ class PromptEncoder:
         # encode where the text encoders are (the CPU after `offload`), so pass their device, not the pipeline's
         device = self.text_encoders()[0].device
         kwargs = {} if length is None else {"length": length}
-        texts = [prompt_text(p) for p in prompts]  # a list of its own (Z-Image edits it); a `Prompt`'s instruction
+        # a list of its own (Z-Image edits it): a `Prompt`'s instruction, or the records where the text encoder sees
+        # the image too (`Family.encode_records`)
+        texts = list(prompts) if self.family.encode_records else [prompt_text(p) for p in prompts]
         e, p = self.family.encode(self.pipe, texts, device, self.max_sequence_length, **kwargs)
         for i, prompt in enumerate(prompts):
             self.cache[prompt if length is None else (prompt, length)] = (
@@ -221,13 +230,15 @@ class PromptEncoder:
         """The prompts' `Cond`, with the negative prompt repeated for each (for CFG) unless `negative` is False, and
         their reference images' latents (`images`) when they have images."""
         embeds, pooled = self(prompts)
-        neg = self.negative(len(prompts)) if negative else (None, None)
+        neg = self.negative(len(prompts), prompts) if negative else (None, None)
         return Cond(embeds, pooled, *neg, image=self.images(prompts))
 
     def images(self, prompts: Sequence[str]) -> Optional[torch.Tensor]:
         """The reference latents [B, ...] of `prompts` (`Prompt` records), or None when they are text only. Each image
         file is read (`image_pixels`) and encoded by the family's VAE (`Family.encode_image`) once, alone (as each
-        prompt's text: its latents do not depend on the batch it came in), and cached by its file, beside the text."""
+        prompt's text: its latents do not depend on the batch it came in), and cached by its file, beside the text.
+        A family with a `reference_size` resizes each image to it first (as its pipeline does); a batch's images must
+        then resize to one size, their latents being stacked."""
         records = [p for p in prompts if isinstance(p, Prompt)]
         if not records:
             return None
@@ -239,18 +250,31 @@ class PromptEncoder:
             key = ("image", record.image)
             if key in self.cache:
                 continue
+            size = self.family.reference_size(record.size) if self.family.reference_size else None
             with torch.no_grad():
-                z = self.family.encode_image(self.pipe, image_pixels(record.image).to(self.pipe.vae.device))[0]
-            if self.latent_shape is not None and tuple(z.shape) != tuple(self.latent_shape):
+                z = self.family.encode_image(self.pipe, image_pixels(record.image, size).to(self.pipe.vae.device))[0]
+            if size is None and self.latent_shape is not None and tuple(z.shape) != tuple(self.latent_shape):
                 raise UserError(
                     f"prompt {short(record)}: its image ({record.size[0]} x {record.size[1]} pixels) encodes to latents "
                     f"{tuple(z.shape)}, not the {tuple(self.latent_shape)} the model samples: give images of the "
                     "training size (--resolution, --height, --width)"
                 )
             self.cache[key] = z.to(self.cache_device)
-        return torch.stack([self.cache[("image", r.image)] for r in records]).to(self.device)
+        latents = [self.cache[("image", r.image)] for r in records]
+        for record, z in zip(records, latents):
+            if z.shape != latents[0].shape:  # a `reference_size` family's check refuses it before loading
+                raise UserError(
+                    f"prompt {short(record)}: its reference latents {tuple(z.shape)} differ from those of "
+                    f"{short(records[0])} {tuple(latents[0].shape)} in one batch: give images of one aspect ratio"
+                )
+        return torch.stack(latents).to(self.device)
 
-    def negative(self, batch: int):
+    def negative(self, batch: int, prompts: Optional[Sequence[str]] = None):
+        """The negative prompt's (embeds, extra), repeated `batch` times. Where the text encoder sees the reference
+        image (`Family.encode_records`) and `prompts` carry images, the negative prompt on each prompt's image instead
+        (`Prompt.with_text`), encoded and cached once per image like a prompt."""
+        if self.family.encode_records and prompts is not None and isinstance(prompts[0], Prompt):
+            return self([p.with_text(self.negative_prompt) for p in prompts])
         if self.family.encode_negative is None:
             e, p = self([self.negative_prompt])
         else:  # encoded the family's own way, cached apart from the same text as a prompt
@@ -267,7 +291,11 @@ class PromptEncoder:
     def precompute(self, prompts: Sequence[str], batch: int = 64):
         """Cache every prompt and the negative prompt now, `batch` at a time (before `offload`). Batched embeddings differ
         from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume."""
-        prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
+        if self.family.encode_records:  # the negative prompt on each image (`negative`), and no image-less one
+            records = [p for p in prompts if isinstance(p, Prompt)]
+            prompts = [*dict.fromkeys(p.with_text(self.negative_prompt) for p in records), *dict.fromkeys(prompts)]
+        else:
+            prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
         if self.family.text_length is not None:  # a batch's embeddings depend on it: each prompt alone, at its own length
             for prompt in prompts:
                 self([prompt])
@@ -797,6 +825,11 @@ class Prompt(str):
     def __getnewargs__(self):  # copy and pickle rebuild the record, not a bare str
         return str(self), self.text, self.image, self.size
 
+    def with_text(self, text: str) -> "Prompt":
+        """The record of `text` on this record's image (its key's text replaced): the negative prompt on this image,
+        for a text encoder that sees the image (`PromptEncoder.negative`)."""
+        return Prompt(text + self[len(self.text) :], text, self.image, self.size)
+
 
 def prompt_text(prompt: str) -> str:
     """What the text encoder sees: a `Prompt`'s instruction, or the prompt itself."""
@@ -814,10 +847,16 @@ def load_image(path: Path):
         return ImageOps.exif_transpose(image).convert("RGB")
 
 
-def image_pixels(path: Path) -> torch.Tensor:
+def image_pixels(path: Path, size: Optional[tuple] = None) -> torch.Tensor:
     """`load_image` as a [1, 3, H, W] float32 tensor in [-1, 1], computed as the pipelines' VaeImageProcessor does
-    (x / 255, then 2 x - 1), in its memory layout too (channels last: the VAE's convolutions round otherwise, ~4e-7)."""
-    pixels = np.array(load_image(path)).astype(np.float32)[None] / 255.0
+    (x / 255, then 2 x - 1), in its memory layout too (channels last: the VAE's convolutions round otherwise, ~4e-7).
+    `size` (width, height): resized to it first as VaeImageProcessor.resize resizes a PIL image (Lanczos)."""
+    image = load_image(path)
+    if size is not None and tuple(size) != image.size:
+        from PIL import Image
+
+        image = image.resize(tuple(size), resample=Image.LANCZOS)
+    pixels = np.array(image).astype(np.float32)[None] / 255.0
     return 2.0 * torch.from_numpy(pixels.transpose(0, 3, 1, 2)) - 1.0
 
 

@@ -32,19 +32,22 @@ from . import (
     ltx,
     lumina2,
     qwenimage,
+    qwenimage_edit,
     sana,
     sd3,
     wan,
     zimage,
 )
 
-# FLUX.1 before FLUX.1-Kontext: an unmarked FluxTransformer2DModel is FLUX.1's (common.family_of)
+# FLUX.1 before FLUX.1-Kontext, Qwen-Image before Qwen-Image-Edit: an unmarked FluxTransformer2DModel is FLUX.1's,
+# an unmarked QwenImageTransformer2DModel Qwen-Image's (common.family_of)
 for _module in (
     sd3,
     flux,
     flux_kontext,
     flux2,
     qwenimage,
+    qwenimage_edit,
     zimage,
     wan,
     sana,
@@ -173,6 +176,8 @@ HUB_NAMES = (
     ("flux.2", "Flux2Pipeline"),
     ("kontext", "FluxKontextPipeline"),
     ("flux", "FluxPipeline"),
+    ("qwen-image-edit-25", "QwenImageEditPlusPipeline"),  # 2509, 2511: several images, another template
+    ("qwen-image-edit", "QwenImageEditPipeline"),
     ("qwen-image", "QwenImagePipeline"),
     ("z-image", "ZImagePipeline"),
     ("wan2", "WanPipeline"),

@@ -27,9 +27,16 @@ def max_sequence_length(pipe, requested):
     return requested or 512  # the pipeline's default for __call__
 
 
-def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
+def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale, image=None):
+    """Qwen-Image's velocity; with reference latents `image` [B, C, h', w'] (Qwen-Image-Edit) their 2x2-patch tokens
+    follow the sampled ones, `img_shapes` lists both grids, and each pass's output is cut to the sampled tokens before
+    CFG (as QwenImageEditPipeline)."""
     b, _, h, w = x.shape
     tokens = pack_latents(x).to(common.model_dtype(transformer))
+    sampled, shapes = tokens.shape[1], [(1, h // 2, w // 2)]
+    if image is not None:
+        tokens = torch.cat([tokens, pack_latents(image.to(x)).to(tokens.dtype)], 1)
+        shapes.append((1, image.shape[-2] // 2, image.shape[-1] // 2))
     guidance = torch.full_like(sigma, guidance_scale) if transformer.config.guidance_embeds else None
 
     def call(e, m):
@@ -41,9 +48,9 @@ def velocity(transformer, x, sigma, embeds, mask, neg, guidance_scale):
             guidance=guidance,
             encoder_hidden_states=e.to(common.model_dtype(transformer)),
             encoder_hidden_states_mask=None if bool(m.all()) else m,
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[shapes] * b,
             return_dict=False,
-        )[0]
+        )[0][:, :sampled]
         return out.float()  # as the pipeline: None when nothing is padded
 
     v = call(embeds, mask)

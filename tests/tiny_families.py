@@ -107,15 +107,21 @@ def qwen_image(path):
     """QwenImagePipeline: a tiny Qwen2.5-VL text encoder (its vision tower is never called for text-to-image), a 3-D
     Wan-style VAE (factor 2) with non-trivial latents_mean/std, the released scheduler config (dynamic shift with
     base 0.5 / max 0.9 over 256..8192 tokens, shift_terminal 0.02)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     tok = qwen_tokenizer(max_length=256)  # the 34 dropped template tokens + the prompt fit (one token per byte)
+    parts = qwen_image_parts(tok, vae_downsamples=1)
+    QwenImagePipeline(tokenizer=tok, **parts).save_pretrained(path)
+    return str(path)
+
+
+def qwen_image_parts(tok, vae_downsamples: int) -> dict:
+    """Qwen-Image's parts on `tok`: the tiny Qwen2.5-VL (vision tower: 2-pixel patches, no merge, one frame per patch;
+    the image token ids of `tok`, where it has them), the transformer, a VAE of factor 2^`vae_downsamples` and the
+    released scheduler config."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     torch.manual_seed(0)
     text = dict(
         vocab_size=len(tok),
@@ -140,7 +146,13 @@ def qwen_image(path):
         spatial_merge_size=1,
         temporal_patch_size=1,
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **text))
+    ids = {
+        f"{name}_token_id": tok.convert_tokens_to_ids(token)
+        for name, token in VISION_TOKENS.items()
+        if token in tok.get_vocab()
+    }
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **text, **ids)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
     torch.manual_seed(1)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -155,9 +167,9 @@ def qwen_image(path):
     vae = AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=4,
-        dim_mult=[1, 2],
+        dim_mult=[1, 2] + [2] * (vae_downsamples - 1),
         num_res_blocks=1,
-        temperal_downsample=[False],
+        temperal_downsample=[False] * vae_downsamples,
         latents_mean=[0.1, -0.2, 0.3, 0.0],
         latents_std=[1.5, 0.7, 1.2, 2.0],
     )
@@ -171,9 +183,43 @@ def qwen_image(path):
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
-    ).save_pretrained(path)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer)
+
+
+# Qwen2.5-VL's vision special tokens, by the config field that holds each id
+VISION_TOKENS = {
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+    "image": "<|image_pad|>",
+    "video": "<|video_pad|>",
+}
+
+
+def qwen_image_edit(path):
+    """QwenImageEditPipeline: Qwen-Image's parts (`qwen_image_parts`) with a VAE of factor 16, so that the ~1024^2-pixel
+    copy the pipeline makes of every input image (`calculate_dimensions`) is ~32 x 32 tokens; the tokenizer with
+    Qwen2.5-VL's vision tokens, and a Qwen2VLProcessor whose image processor matches the tiny vision tower (2-pixel
+    patches, no merge, one frame) and shrinks the encoder's copy to at most 24^2 pixels (144 patches). Saved as a
+    Qwen2VLProcessor without its video processor (Qwen2VLVideoProcessor needs torchvision, absent here; editing never
+    calls it): the folder's processor loads with `qwenimage_edit.load_processor` (and with Qwen2VLProcessor where
+    torchvision is installed)."""
+    import json
+    from pathlib import Path
+
+    from diffusers import QwenImageEditPipeline
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = qwen_tokenizer(max_length=1024)
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS.values())})
+    parts = qwen_image_parts(tok, vae_downsamples=4)
+    QwenImageEditPipeline(tokenizer=tok, processor=None, **parts).save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(patch_size=2, merge_size=1, temporal_patch_size=1, min_pixels=64, max_pixels=576)
+    folder = Path(path) / "processor"
+    tok.save_pretrained(folder)
+    images.save_pretrained(folder)
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (Path(path) / "model_index.json").write_text(json.dumps(index, indent=2))
     return str(path)
 
 
