@@ -342,6 +342,7 @@ def test_per_frame_video_reward_is_the_mean_over_frames():
         ("black-forest-labs/FLUX.1-dev", "FluxPipeline"),
         ("black-forest-labs/FLUX.1-Kontext-dev", "FluxKontextPipeline"),
         ("Qwen/Qwen-Image-2512", "QwenImagePipeline"),
+        ("Qwen/Qwen-Image-Edit", "QwenImageEditPipeline"),
         ("Tongyi-MAI/Z-Image-Turbo", "ZImagePipeline"),
         ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "WanPipeline"),
         ("stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline"),
