@@ -10,7 +10,7 @@ the pipeline's `_encode_vae_image`), encoded once per image (`common.PromptEncod
 the image's vision tokens (<|vision_start|><|image_pad|><|vision_end|>, expanded by the pipeline's Qwen2VLProcessor,
 which resizes its own copy again to its pixel bounds), the first 64 tokens dropped; so the family's `encode` receives
 the `Prompt` records (`Family.encode_records`) and the negative prompt is encoded on each prompt's image
-(`PromptEncoder.negative`). The pipeline passes the whole template untruncated: `max_sequence_length` is not used.
+(`PromptEncoder.negative`). The pipeline passes the whole template untruncated: a `max_sequence_length` is refused.
 
 Every prompt needs an image (the pipeline fails without one), and one prompt file's images resize to one size (a
 batch's reference latents are stacked): `check`, before loading. The sampled size is the run's (--height/--width,
@@ -62,6 +62,17 @@ def encode(pipe, prompts, device, max_sequence_length):
 NEEDS_IMAGE = 'QwenImageEditPipeline edits an image: every prompt needs one (a jsonl line {"prompt": ..., "image": ...})'
 
 
+NO_LENGTH = "QwenImageEditPipeline encodes the whole prompt template with the image's tokens, untruncated"
+
+
+def max_sequence_length(pipe, requested):
+    """None asked for: Qwen-Image's default, which the card passes and the pipeline does not use; a length asked for
+    would be ignored, so it is refused."""
+    if requested is not None:
+        raise common.UserError(f"--max-sequence-length {requested}: {NO_LENGTH}")
+    return qwenimage.max_sequence_length(pipe, None)
+
+
 def encode_image(pipe, pixels):
     """Pixels [B, 3, H, W] in [-1, 1] -> reference latents [B, C, H/f, W/f]: the 3-D VAE's posterior mode of the single
     frame, (z - latents_mean) / latents_std (QwenImageEditPipeline._encode_vae_image)."""
@@ -73,8 +84,10 @@ def encode_image(pipe, pixels):
 
 
 def check(config, args):
-    """Before loading: every prompt carries an image, whose pipeline copy the VL processor takes (aspect at most
-    MAX_ASPECT), and one prompt file's images resize to one size (`reference_size`)."""
+    """Before loading: no --max-sequence-length, every prompt carries an image, whose pipeline copy the VL processor
+    takes (aspect at most MAX_ASPECT), and one prompt file's images resize to one size (`reference_size`)."""
+    if getattr(args, "max_sequence_length", None) is not None:
+        raise common.UserError(f"--max-sequence-length {args.max_sequence_length}: {NO_LENGTH}")
     for name in ("train_prompts", "test_prompts"):
         path = getattr(args, name, None)
         if path is None:
@@ -147,7 +160,7 @@ FAMILY = common.Family(
     velocity=qwenimage.velocity,
     latent_shape=qwenimage.latent_shape,
     decode=qwenimage.decode,
-    max_sequence_length=qwenimage.max_sequence_length,
+    max_sequence_length=max_sequence_length,
     tokens=qwenimage.FAMILY.tokens,
     mu=common.linear_mu,
     load_kwargs=load_kwargs,

@@ -166,6 +166,7 @@ def test_precompute_encodes_the_negative_on_each_image_and_no_bare_one(edit_dir,
     keys = {k for k in enc.cache if isinstance(k, str)}
     assert keys == set(prompts) | {p.with_text("blurry") for p in prompts} and "blurry" not in keys
     assert all(p.with_text("blurry").image == p.image and p.with_text("blurry").text == "blurry" for p in prompts)
+    assert prompts[0].with_text("blurry") == "blurry [scenes/scene0.png " + prompts[0].split(" [scenes/scene0.png ")[1]
     enc.offload()
     monkeypatch.setattr(qwenimage_edit.FAMILY, "encode", lambda *a: pytest.fail("encoded again"))
     assert enc.cond(prompts).neg_embeds.shape[0] == 3
@@ -175,6 +176,8 @@ def test_the_library_path_refuses_text_prompts_and_mixed_sizes(edit_dir, edit_pr
     enc = common.PromptEncoder(models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH))
     with pytest.raises(common.UserError, match="QwenImageEditPipeline edits an image: every prompt needs one"):
         enc.cond(["a red circle"])
+    with pytest.raises(common.UserError, match="--max-sequence-length 64: QwenImageEditPipeline encodes the whole"):
+        common.PromptEncoder(models.load_pipeline(edit_dir, CPU), max_sequence_length=64)
     write_scenes(tmp_path / "square", size=(32, 32), count=1)
     square = common.load_prompts(write_prompt_file(tmp_path / "sq.jsonl", [{"prompt": "a", "image": "square/scene0.png"}]))
     with pytest.raises(common.UserError, match=r"reference latents \(4, 64, 64\) differ from those of .* \(4, 52, 78\)"):
@@ -204,7 +207,11 @@ QWEN_EDIT_BAD_INPUTS = [  # (flags, a piece of the one error line), on the tiny 
         "--train-prompts {tmp}/thin.jsonl",
         "its image (1 x 300 pixels) resizes to 64 x 17728 for Qwen-Image-Edit, beyond the VL",
     ),
-    ("--height 40", "height 40 must be a multiple of 32"),  # the VAE factor 16 x the 2x2 patches
+    ("--height 40", "height 40 must be a multiple of 32"),
+    (
+        "--max-sequence-length 64",
+        "--max-sequence-length 64: QwenImageEditPipeline encodes the whole prompt template",
+    ),  # the VAE factor 16 x the 2x2 patches
 ]
 
 
@@ -285,6 +292,20 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
     assert diff <= 1e-5 + 1e-5 < without  # the family's tolerance and the LoRA's (test_models.LORA_TOL)
     card = card_images(run_dir, prompt, noise, tmp_path, sys.modules[QwenImageEditPipeline.__module__], edit_dir)
     assert ((ours[0] * 255).round() - card).abs().max().item() <= 1  # both rounded to 8 bits
+
+
+def test_a_resumed_run_on_image_prompts_ends_bit_identical(edit_dir, edit_prompts, tmp_path):
+    """2 epochs, against 1 epoch and `--resume` for one more (its own process, which loads the processor as
+    `load_kwargs` does): the resumed run encodes each image, prompt and per-image negative prompt again."""
+    from conftest import run_script
+    from test_algos import assert_same_state
+
+    from checkpoints import load_checkpoint
+
+    a_dir, _ = train("crd", edit_dir, edit_prompts, tmp_path / "a", "--num-epochs", "2")
+    b_dir, _ = train("crd", edit_dir, edit_prompts, tmp_path / "b", "--num-epochs", "1")
+    run_script(["algos/crd.py", "--resume", b_dir, "--num-epochs", "2"])
+    assert_same_state(load_checkpoint(a_dir), load_checkpoint(b_dir), "crd")
 
 
 ALGOS = ["awm", "dgpo", "dpo", "elbo_grpo", "grpo", "nft"]  # crd: above
