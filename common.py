@@ -11,7 +11,6 @@ exp(logp - logp_old) are small (~1e-4 .. 1e-2).
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
 import math
 import threading
 import time
@@ -235,11 +234,11 @@ class PromptEncoder:
 
     def images(self, prompts: Sequence[str]) -> Optional[torch.Tensor]:
         """The reference latents [B, ...] of `prompts` (`Prompt` records), or None when they are text only. Each image
-        file is read (`image_pixels`) and encoded by the family's VAE (`Family.encode_image`) once, alone (as each
+        file is read (`Prompt.pixels`) and encoded by the family's VAE (`Family.encode_image`) once, alone (as each
         prompt's text: its latents do not depend on the batch it came in), and cached by its file, beside the text.
         A family with a `reference_size` resizes each image to it first (as its pipeline does); a batch's images must
         then resize to one size, their latents being stacked."""
-        records = [p for p in prompts if isinstance(p, Prompt)]
+        records = [p for p in prompts if _has_image(p)]
         if not records:
             return None
         if len(records) < len(prompts):  # load_prompts makes a file all one or the other
@@ -252,7 +251,7 @@ class PromptEncoder:
                 continue
             size = self.family.reference_size(record.size) if self.family.reference_size else None
             with torch.no_grad():
-                z = self.family.encode_image(self.pipe, image_pixels(record.image, size).to(self.pipe.vae.device))[0]
+                z = self.family.encode_image(self.pipe, record.pixels(size).to(self.pipe.vae.device))[0]
             if size is None and self.latent_shape is not None and tuple(z.shape) != tuple(self.latent_shape):
                 raise UserError(
                     f"prompt {short(record)}: its image ({record.size[0]} x {record.size[1]} pixels) encodes to latents "
@@ -273,7 +272,7 @@ class PromptEncoder:
         """The negative prompt's (embeds, extra), repeated `batch` times. Where the text encoder sees the reference
         image (`Family.encode_records`) and `prompts` carry images, the negative prompt on each prompt's image instead
         (`Prompt.with_text`), encoded and cached once per image like a prompt."""
-        if self.family.encode_records and prompts is not None and isinstance(prompts[0], Prompt):
+        if self.family.encode_records and prompts is not None and _has_image(prompts[0]):
             return self([p.with_text(self.negative_prompt) for p in prompts])
         if self.family.encode_negative is None:
             e, p = self([self.negative_prompt])
@@ -292,7 +291,7 @@ class PromptEncoder:
         """Cache every prompt and the negative prompt now, `batch` at a time (before `offload`). Batched embeddings differ
         from one-by-one ones by ~1e-6, so a run keeps its `--offload-text-encoders` on resume."""
         if self.family.encode_records:  # the negative prompt on each image (`negative`), and no image-less one
-            records = [p for p in prompts if isinstance(p, Prompt)]
+            records = [p for p in prompts if _has_image(p)]
             prompts = [*dict.fromkeys(p.with_text(self.negative_prompt) for p in records), *dict.fromkeys(prompts)]
         else:
             prompts = [self.negative_prompt, *dict.fromkeys(prompts)]
@@ -311,6 +310,17 @@ class PromptEncoder:
             m.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _has_image(prompt: str) -> bool:
+    """Whether `prompt` is a `prompt_files.Prompt` record (a prompt with a reference image). Known by its attribute:
+    prompt_files imports common (`UserError`), so common imports nothing of it (no import cycle)."""
+    return hasattr(prompt, "image")
+
+
+def prompt_text(prompt: str) -> str:
+    """What the text encoder sees: a `prompt_files.Prompt` record's instruction, or the prompt itself."""
+    return prompt.text if _has_image(prompt) else prompt
 
 
 def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -808,145 +818,6 @@ def evaluate(
 # ----------------------------------------------------------------------------------------------------------------
 # prompts, groups, timesteps
 # ----------------------------------------------------------------------------------------------------------------
-class Prompt(str):
-    """A prompt with a reference image (an edit instruction, e.g. "make the circle red" and the scene to edit), as
-    `load_prompts` reads it from a jsonl line {"prompt": ..., "image": ...}. The string itself is the record's key,
-    "<text> [<image as written> <hash of its bytes>]": two records with one key have the same text and image content,
-    so everything that takes prompts as strings (group_prompts, the text cache, eval, captions, logs) works unchanged,
-    and the same text on two images stays two prompts. `text` is the instruction the text encoder sees, `image` the
-    file (resolved), `size` its (width, height) in pixels. `PromptEncoder` encodes the image once by the family's VAE
-    into `Cond.image`."""
-
-    def __new__(cls, key: str, text: str, image: Path, size: tuple):
-        record = super().__new__(cls, key)
-        record.text, record.image, record.size = text, image, size
-        return record
-
-    def __getnewargs__(self):  # copy and pickle rebuild the record, not a bare str
-        return str(self), self.text, self.image, self.size
-
-    def with_text(self, text: str) -> "Prompt":
-        """The record of `text` on this record's image (its key's text replaced): the negative prompt on this image,
-        for a text encoder that sees the image (`PromptEncoder.negative`)."""
-        return Prompt(text + self[len(self.text) :], text, self.image, self.size)
-
-
-def prompt_text(prompt: str) -> str:
-    """What the text encoder sees: a `Prompt`'s instruction, or the prompt itself."""
-    return prompt.text if isinstance(prompt, Prompt) else prompt
-
-
-def load_image(path: Path):
-    """An image file as an RGB PIL image, as `diffusers.utils.load_image` reads one for a pipeline: its EXIF
-    orientation applied, then converted to RGB (alpha dropped, grey and palette images expanded). The stock edit
-    pipelines convert nothing (an RGBA array would reach the VAE with 4 channels), so a card's example loads with
-    `load_image` too."""
-    from PIL import Image, ImageOps
-
-    with Image.open(path) as image:
-        return ImageOps.exif_transpose(image).convert("RGB")
-
-
-def image_pixels(path: Path, size: Optional[tuple] = None) -> torch.Tensor:
-    """`load_image` as a [1, 3, H, W] float32 tensor in [-1, 1], computed as the pipelines' VaeImageProcessor does
-    (x / 255, then 2 x - 1), in its memory layout too (channels last: the VAE's convolutions round otherwise, ~4e-7).
-    `size` (width, height): resized to it first as VaeImageProcessor.resize resizes a PIL image (Lanczos)."""
-    image = load_image(path)
-    if size is not None and tuple(size) != image.size:
-        from PIL import Image
-
-        image = image.resize(tuple(size), resample=Image.LANCZOS)
-    pixels = np.array(image).astype(np.float32)[None] / 255.0
-    return 2.0 * torch.from_numpy(pixels.transpose(0, 3, 1, 2)) - 1.0
-
-
-_IMAGES = {}  # (file, mtime, size in bytes) -> (width, height, digest): read once though load_prompts runs twice
-
-
-def read_image(path: Path, where: str, written: str) -> tuple:
-    """(width, height, blake2b digest of the bytes) of an image file, every pixel decoded (a truncated file fails
-    here, not in training); one `UserError` line naming the prompt file's line otherwise. A symbolic link is followed:
-    an image is only read (the run folder's no-link rule, `run.check_no_symlinks`, is about where a run writes)."""
-    from PIL import Image
-
-    if not path.exists():
-        raise UserError(f"{where}: image {written!r} not found ({path})")
-    if not path.is_file():
-        raise UserError(f"{where}: image {written!r} is not a regular file ({path})")
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    if key not in _IMAGES:
-        try:
-            width, height = load_image(path).size
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            raise UserError(f"{where}: image {written!r} cannot be read as an image ({reason})") from None
-        _IMAGES[key] = (width, height, hashlib.blake2b(path.read_bytes(), digest_size=6).hexdigest())
-    return _IMAGES[key]
-
-
-def load_prompts(path: str) -> list:
-    """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped.
-
-    A jsonl line may carry a reference image, {"prompt": "make the circle red", "image": "scene.png"}, its path
-    relative to the file's folder: such a line becomes a `Prompt` record (a str), a plain line a str. A file's lines all
-    carry an image or none does (a batch is one or the other). Each image is decoded here, before any model loads: a
-    field that is not a string, a missing file or one that is not a readable image is one `UserError` line. Its size is
-    checked against the training resolution by the edit family's `check` (before loading) and `PromptEncoder`."""
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"prompt file {path!r} is a folder; pass a .txt or .jsonl file")
-    if not p.exists():
-        raise UserError(f"prompt file {path!r} not found")
-    if not p.is_file():
-        raise UserError(f"prompt file {path!r} is not a regular file (a device or a pipe); pass a .txt or .jsonl file")
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
-    except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})")
-    prompts, with_image = [], set()
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-                prompt = record["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
-            if not isinstance(prompt, str):  # null, a list or a number would be trained on as "None", "['a']", "3"
-                raise UserError(f"{path}:{n}: 'prompt' is {short(json.dumps(prompt))}, expected a string")
-            with_image.add("image" in record)
-            if len(with_image) > 1:
-                raise UserError(f"{path}:{n}: every line of a prompt file carries an 'image', or none does")
-            if "image" in record:
-                written = record["image"]
-                if not isinstance(written, str) or not written.strip():
-                    raise UserError(
-                        f"{path}:{n}: 'image' is {short(json.dumps(written))}, expected an image file's path "
-                        "(relative to the prompt file's folder)"
-                    )
-                width, height, digest = read_image(p.parent / written, f"{path}:{n}", written)
-                prompt = Prompt(f"{prompt} [{written} {digest}]", prompt, (p.parent / written).resolve(), (width, height))
-            prompts.append(prompt)
-        else:
-            prompts.append(line.strip())
-    if not prompts:
-        raise UserError(f"prompt file {path!r} has no prompts")
-    return prompts
-
-
-def check_image_sizes(prompts: Sequence[str], width: int, height: int, flag: str):
-    """Every reference image of `prompts` is `width` x `height` pixels, the size the model samples at: the reference
-    latents share the sampled latents' grid (an edit family's `check`, before the model loads). `flag` names the file."""
-    for prompt in prompts:
-        if isinstance(prompt, Prompt) and prompt.size != (width, height):
-            raise UserError(
-                f"{flag}: prompt {short(prompt)}: its image is {prompt.size[0]} x {prompt.size[1]} pixels, but the "
-                f"model samples {width} x {height}: resize the image, or train at its size (--height, --width)"
-            )
-
-
 def group_prompts(prompts: Sequence[str], num_prompts: int, group_size: int, generator: torch.Generator) -> list:
     """`num_prompts` prompts drawn without replacement (cycling when the set is smaller), each repeated K times,
     contiguously: [p0]*K + [p1]*K + ... so sample i belongs to group i // K."""

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from checkpoints import check_run_folder, rng_state, script_name, set_rng_state
-from common import UserError, evaluate, load_prompts
+from common import UserError, evaluate
 from distributed import busy_cpu_hint, check_device
 from export import git_commit
 from models import EvalEMA, is_fsdp
+from prompt_files import load_prompts
 from run import lock_run, release_run_locks
 
 

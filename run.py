@@ -25,10 +25,11 @@ import torch
 import tyro
 
 from checkpoints import check_checkpoint_fields, find_checkpoint, load_checkpoint, script_name
-from common import FAMILIES, REPO, Prompt, UserError, load_prompts
+from common import FAMILIES, REPO, UserError
 from distributed import check_device, env_ranks
 from export import EXPORT_NAMES, LORA_ARGS
 from models import check_model_folder, compile_unavailable, pipeline_config
+from prompt_files import Prompt, load_prompts
 
 
 def run_main(main, args, argv: Optional[Sequence[str]] = None):

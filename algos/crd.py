@@ -21,6 +21,7 @@ import distributed  # noqa: E402
 import export  # noqa: E402
 import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import prompt_files  # noqa: E402
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
@@ -403,7 +404,7 @@ def main(args: Args):
         )
 
     # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
-    train_prompts, test_prompts = common.load_prompts(args.train_prompts), common.load_prompts(args.test_prompts)
+    train_prompts, test_prompts = prompt_files.load_prompts(args.train_prompts), prompt_files.load_prompts(args.test_prompts)
     rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
     pipe = models.load_pipeline(
         args.model,

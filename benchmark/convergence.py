@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import prompt_files  # noqa: E402
 import rewards  # noqa: E402
 from rewards import shapes  # noqa: E402
 
@@ -196,11 +197,11 @@ TASKS = {
 def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.TEST_PROMPTS, unseen_file: str = None) -> dict:
     """The held-out prompts, a fixed sample of 30 training prompts, evenly spaced (every 6th of the 188 shapes
     prompts, so all categories), and with `unseen_file` (tiny-shapes: `UNSEEN`) the prompts of that file."""
-    train = common.load_prompts(train_file)
+    train = prompt_files.load_prompts(train_file)
     step = max(1, len(train) // NUM_TRAIN_SAMPLE)
-    sets = {"test": common.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
+    sets = {"test": prompt_files.load_prompts(test_file), "train": train[::step][:NUM_TRAIN_SAMPLE]}
     if unseen_file:
-        sets["unseen"] = common.load_prompts(unseen_file)
+        sets["unseen"] = prompt_files.load_prompts(unseen_file)
     return sets
 
 

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402
+import prompt_files  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 try:  # the model-family registry, where this checkout has one
@@ -72,7 +73,7 @@ def main():
     from diffusers.utils import logging
 
     logging.set_verbosity_error()  # load_lora_weights warns that the LoRA has no text-encoder part (it has none)
-    prompts = common.load_prompts(args.prompts)
+    prompts = prompt_files.load_prompts(args.prompts)
     base = score(args.model, prompts, args.seeds)
     print(f"{len(prompts)} held-out prompts x {len(args.seeds)} noises, ODE 10 steps, CFG 1\n")
     print("| run | " + " | ".join(METRICS) + " |\n|---|" + "---|" * len(METRICS))

@@ -134,6 +134,7 @@ def components(repeats: int) -> str:
     sys.path.insert(0, str(REPO))
     import common
     import models  # noqa: F401  (registers the model families)
+    import prompt_files
 
     torch.set_num_threads(1)
     pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
@@ -144,7 +145,7 @@ def components(repeats: int) -> str:
         for p in models.add_lora(transformer, 16, 32.0, targets):
             p.normal_(0, 0.02)
     dtype_ms = timeit.timeit(lambda: transformer.dtype, number=200) / 200 * 1e3
-    prompts = (common.load_prompts(common.TEST_PROMPTS) * 2)[:32]
+    prompts = (prompt_files.load_prompts(common.TEST_PROMPTS) * 2)[:32]
     cond = common.PromptEncoder(pipe).cond(prompts, negative=False)
     x = torch.randn(32, *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     sigma = torch.full((32,), 0.6)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import common
+import prompt_files
 from models import flux
 
 NO_NEGATIVE = (
@@ -87,7 +88,9 @@ def check(config, args):
     for name in ("train_prompts", "test_prompts"):
         path = getattr(args, name, None)
         if path is not None:
-            common.check_image_sizes(common.load_prompts(path), width, height, f"--{name.replace('_', '-')} {path}")
+            prompt_files.check_image_sizes(
+                prompt_files.load_prompts(path), width, height, f"--{name.replace('_', '-')} {path}"
+            )
 
 
 def card(pipe, call, settings):

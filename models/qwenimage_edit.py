@@ -25,6 +25,7 @@ import math
 import torch
 
 import common
+import prompt_files
 from models import qwenimage
 
 REFERENCE_AREA = 1024 * 1024  # the pixels QwenImageEditPipeline.__call__ resizes an input image to
@@ -42,17 +43,17 @@ def reference_size(size: tuple) -> tuple:
 
 
 def reference_image(pipe, record):
-    """The copy of `record`'s image both encoders see: read as `common.load_image`, resized as the pipeline does
+    """The copy of `record`'s image both encoders see: read as `prompt_files.load_image`, resized as the pipeline does
     (its VaeImageProcessor.resize, Lanczos)."""
     width, height = reference_size(record.size)
-    return pipe.image_processor.resize(common.load_image(record.image), height, width)
+    return pipe.image_processor.resize(prompt_files.load_image(record.image), height, width)
 
 
 def encode(pipe, prompts, device, max_sequence_length):
     """`Prompt` records -> (embeds, mask): Qwen2.5-VL's last hidden state over the edit template with each record's
     image (`reference_image`), as QwenImageEditPipeline.encode_prompt; one image per prompt, in order."""
     for prompt in prompts:
-        if not isinstance(prompt, common.Prompt):  # `check` refuses a text-only prompt file before loading
+        if not isinstance(prompt, prompt_files.Prompt):  # `check` refuses a text-only prompt file before loading
             raise common.UserError(f"prompt {common.short(prompt)}: {NEEDS_IMAGE}")
     images = [reference_image(pipe, p) for p in prompts]
     e, mask = pipe.encode_prompt([p.text for p in prompts], image=images, device=device)
@@ -93,8 +94,8 @@ def check(config, args):
         if path is None:
             continue
         flag = f"--{name.replace('_', '-')} {path}"
-        prompts = common.load_prompts(path)
-        if not isinstance(prompts[0], common.Prompt):
+        prompts = prompt_files.load_prompts(path)
+        if not isinstance(prompts[0], prompt_files.Prompt):
             raise common.UserError(f"{flag}: {NEEDS_IMAGE}")
         first = reference_size(prompts[0].size)
         for prompt in prompts:

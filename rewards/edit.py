@@ -2,7 +2,7 @@
 
 The output image and the source scene are read by the shapes detector (`rewards/shapes.py`: every coloured component
 of at least MIN_AREA pixels, named after the shape template it fits best, with its centroid and area). The source
-scene is the prompt's own image when the prompt carries one (a `common.Prompt` record of a jsonl line
+scene is the prompt's own image when the prompt carries one (a `prompt_files.Prompt` record of a jsonl line
 {"prompt": ..., "image": ...}); a prompt without it (a plain string, e.g. through a reward server) is scored against
 its instruction's canonical scene, `edit_world.task`, which the edit prompt files show. An object of the source that
 the instruction does not name is *kept* when an object of its colour and shape lies within POSITION_TOLERANCE pixels
@@ -57,7 +57,7 @@ def world_objects(scene) -> list:
 
 
 def instruction_of(prompt: str) -> str:
-    """The instruction of a prompt: a `common.Prompt` record's text, or the string without the record key's
+    """The instruction of a prompt: a `prompt_files.Prompt` record's text, or the string without the record key's
     " [<image> <digest>]" tail (a record that became a plain string, e.g. on its way to a reward server)."""
     return getattr(prompt, "text", None) or re.sub(r" \[[^\[\]]* [0-9a-f]+\]$", "", prompt)
 

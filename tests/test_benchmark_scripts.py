@@ -341,6 +341,7 @@ def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_pro
     import json
 
     import common
+    import prompt_files
     from assets import world
     from benchmark.convergence import UNSEEN, prompt_sets
 
@@ -350,7 +351,7 @@ def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_pro
     assert sets["unseen"] == [r["prompt"] for r in rows] and len(set(sets["unseen"])) == 30
     test_keys = set(json.loads((REPO / "assets" / "test.jsonl").read_text().splitlines()[0]))
     grammar = {prompt: (cat, spec) for cat, prompt, spec in world.all_prompts()}
-    train, test = set(common.load_prompts(common.TRAIN_PROMPTS)), set(common.load_prompts(common.TEST_PROMPTS))
+    train, test = set(prompt_files.load_prompts(common.TRAIN_PROMPTS)), set(prompt_files.load_prompts(common.TEST_PROMPTS))
     trained_pairs = {tuple(o) for p in train for o in grammar[p][1]}
     for r in rows:
         assert set(r) == test_keys and r["category"] == "color_attr" and r["held_out"]

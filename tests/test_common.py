@@ -15,6 +15,7 @@ import common
 import distributed
 import logs
 import models
+import prompt_files
 import run
 
 
@@ -379,24 +380,24 @@ def test_unknown_dynamics_is_one_clear_line(pipe):
 
 def test_load_prompts_txt_jsonl_and_errors(tmp_path):
     (tmp_path / "a.txt").write_text("a red circle\n\n two squares \n")
-    assert common.load_prompts(tmp_path / "a.txt") == ["a red circle", "two squares"]
+    assert prompt_files.load_prompts(tmp_path / "a.txt") == ["a red circle", "two squares"]
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "a square", "x": 1}) + "\n")
-    assert common.load_prompts(tmp_path / "b.jsonl") == ["a square"]
+    assert prompt_files.load_prompts(tmp_path / "b.jsonl") == ["a square"]
     (tmp_path / "empty.txt").write_text("\n \n")
     with pytest.raises(common.UserError, match="no prompts"):
-        common.load_prompts(tmp_path / "empty.txt")
+        prompt_files.load_prompts(tmp_path / "empty.txt")
     (tmp_path / "bad.jsonl").write_text('{"text": "no prompt field"}\n')
     with pytest.raises(common.UserError, match="bad.jsonl:1"):
-        common.load_prompts(tmp_path / "bad.jsonl")
+        prompt_files.load_prompts(tmp_path / "bad.jsonl")
     with pytest.raises(common.UserError, match="not found"):
-        common.load_prompts(tmp_path / "missing.txt")
+        prompt_files.load_prompts(tmp_path / "missing.txt")
     for value, shown in [(None, "null"), (["a", "b"], r'\["a", "b"\]'), (3, "3"), ({"a": 1}, r'\{"a": 1\}')]:
         (tmp_path / "typed.jsonl").write_text(json.dumps({"prompt": "a square"}) + "\n" + json.dumps({"prompt": value}))
         with pytest.raises(common.UserError, match=f"typed.jsonl:2: 'prompt' is '{shown}', expected a string"):
-            common.load_prompts(tmp_path / "typed.jsonl")
+            prompt_files.load_prompts(tmp_path / "typed.jsonl")
     for name, line in [("bom.txt", "a red circle"), ("bom.jsonl", json.dumps({"prompt": "a red circle"}))]:
         (tmp_path / name).write_bytes(("\ufeff" + line + "\n").encode())  # a UTF-8 byte-order mark, as Notepad writes
-        assert common.load_prompts(tmp_path / name) == ["a red circle"]
+        assert prompt_files.load_prompts(tmp_path / name) == ["a red circle"]
 
 
 def test_lora_starts_at_base_and_reference_disables_it(pipe):

@@ -314,7 +314,7 @@ def test_tolerances():
 
 
 class Record(str):
-    """A prompt with its image, as common.Prompt: the string is a key "<text> [<image> <digest>]"."""
+    """A prompt with its image, as prompt_files.Prompt: the string is a key "<text> [<image> <digest>]"."""
 
     def __new__(cls, text: str, image: Path):
         record = super().__new__(cls, f"{text} [{image.name} 0123456789ab]")
@@ -340,12 +340,12 @@ def test_a_prompt_with_its_image_is_scored_against_that_image(tmp_path):
 
 
 def test_the_prompt_files_load_as_image_prompts_the_reward_scores():
-    """Through common.load_prompts (the scripts' path): Prompt records whose image the reward reads."""
-    import common
+    """Through prompt_files.load_prompts (the scripts' path): Prompt records whose image the reward reads."""
+    import prompt_files
 
     for name in ("train", "test"):
-        prompts = common.load_prompts(str(REPO / "assets" / "edit" / f"{name}.jsonl"))
-        assert all(isinstance(p, common.Prompt) and p.size == (64, 64) for p in prompts)
+        prompts = prompt_files.load_prompts(str(REPO / "assets" / "edit" / f"{name}.jsonl"))
+        assert all(isinstance(p, prompt_files.Prompt) and p.size == (64, 64) for p in prompts)
         reward = rewards.load_rewards("edit", "cpu", prompts)  # checks every image holds the object it names
         chosen = prompts[:: max(1, len(prompts) // 40)]
         out = reward.evaluate(to_tensor([TASKS[p.text][1] for p in chosen]), chosen)

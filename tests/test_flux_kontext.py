@@ -1,4 +1,4 @@
-"""Prompts with a reference image (common.Prompt, load_prompts, PromptEncoder.images, Cond.image) and the FLUX.1-Kontext
+"""Prompts with a reference image (prompt_files.Prompt, load_prompts, PromptEncoder.images, Cond.image) and the FLUX.1-Kontext
 family against diffusers' FluxKontextPipeline, on tiny random Kontext pipelines (tiny_families.flux_kontext)."""
 
 import copy
@@ -20,6 +20,7 @@ from PIL import Image
 import common
 import export
 import models
+import prompt_files
 import run
 from checkpoints import load_checkpoint
 from models import flux, flux_kontext
@@ -60,8 +61,8 @@ def edit_prompts(tmp_path):
 
 
 def test_prompt_records_are_unique_strings_that_keep_text_and_image(tmp_path, edit_prompts):
-    prompts = common.load_prompts(edit_prompts)
-    assert all(isinstance(p, common.Prompt) and isinstance(p, str) for p in prompts)
+    prompts = prompt_files.load_prompts(edit_prompts)
+    assert all(isinstance(p, prompt_files.Prompt) and isinstance(p, str) for p in prompts)
     assert [p.text for p in prompts] == TEXTS and [common.prompt_text(p) for p in prompts] == TEXTS
     assert [p.image for p in prompts] == [(tmp_path / "scenes" / f"scene{k}.png").resolve() for k in range(3)]
     assert all(p.size == (WIDTH, HEIGHT) for p in prompts)
@@ -70,17 +71,17 @@ def test_prompt_records_are_unique_strings_that_keep_text_and_image(tmp_path, ed
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "copy.png").write_bytes((tmp_path / "scenes" / "scene0.png").read_bytes())
     rows = [{"prompt": TEXTS[0], "image": "scenes/scene1.png"}, {"prompt": TEXTS[0], "image": "other/copy.png"}]
-    same_text, same_content = common.load_prompts(write_prompt_file(tmp_path / "more.jsonl", rows))
+    same_text, same_content = prompt_files.load_prompts(write_prompt_file(tmp_path / "more.jsonl", rows))
     assert same_text != prompts[0] and same_text.text == prompts[0].text
     assert same_content.split(" [")[1].split()[1] == prompts[0].split(" [")[1].split()[1]  # the content's digest
     # copies and pickles are records, not bare strings; group_prompts hands the records on
     for twin in (copy.deepcopy(prompts[1]), pickle.loads(pickle.dumps(prompts[1]))):
-        assert isinstance(twin, common.Prompt) and twin == prompts[1] and twin.image == prompts[1].image
+        assert isinstance(twin, prompt_files.Prompt) and twin == prompts[1] and twin.image == prompts[1].image
     grouped = common.group_prompts(prompts, 2, 3, torch.Generator().manual_seed(0))
-    assert all(isinstance(p, common.Prompt) for p in grouped) and len(set(grouped)) == 2
+    assert all(isinstance(p, prompt_files.Prompt) for p in grouped) and len(set(grouped)) == 2
     # a text-only jsonl stays plain strings
-    assert common.load_prompts(write_prompt_file(tmp_path / "text.jsonl", [{"prompt": "a"}])) == ["a"]
-    assert type(common.load_prompts(tmp_path / "text.jsonl")[0]) is str
+    assert prompt_files.load_prompts(write_prompt_file(tmp_path / "text.jsonl", [{"prompt": "a"}])) == ["a"]
+    assert type(prompt_files.load_prompts(tmp_path / "text.jsonl")[0]) is str
 
 
 def test_images_are_read_as_load_image_reads_them(tmp_path):
@@ -92,8 +93,8 @@ def test_images_are_read_as_load_image_reads_them(tmp_path):
     Image.fromarray(rgba[..., 0], "L").save(tmp_path / "grey.png")
     for name in ("rgba.png", "grey.png"):
         expected = np.asarray(load_image(str(tmp_path / name)))
-        assert np.array_equal(np.asarray(common.load_image(tmp_path / name)), expected)
-        pixels = common.image_pixels(tmp_path / name)
+        assert np.array_equal(np.asarray(prompt_files.load_image(tmp_path / name)), expected)
+        pixels = prompt_files.image_pixels(tmp_path / name)
         assert pixels.shape == (1, 3, 8, 16)
         np.testing.assert_allclose(pixels[0].permute(1, 2, 0).numpy(), expected / 255.0 * 2 - 1, atol=1e-6)
 
@@ -134,7 +135,7 @@ def stock_images(pipe, prompt, noise, steps, guidance_scale, max_sequence_length
     """FluxKontextPipeline.__call__ on one prompt (its own image, or none), our noise packed, at our size unresized."""
     call = dict(
         prompt=[common.prompt_text(prompt)],
-        image=common.load_image(prompt.image) if isinstance(prompt, common.Prompt) else None,
+        image=prompt_files.load_image(prompt.image) if isinstance(prompt, prompt_files.Prompt) else None,
         latents=flux.pack_latents(noise[None]),
         num_inference_steps=steps,
         guidance_scale=guidance_scale,
@@ -153,9 +154,9 @@ def stock_images(pipe, prompt, noise, steps, guidance_scale, max_sequence_length
 def test_ode_sampler_matches_flux_kontext_pipeline(kontext_dirs, edit_prompts, variant, guidance_scale, with_image):
     """Same noise: our batched sampler (each prompt its own image) equals the pipeline called per prompt with that
     image, sigmas too; without an image both sample from the text alone. Measured 0.0 (the pixels are built in the
-    pipeline's memory layout, see `common.image_pixels`)."""
+    pipeline's memory layout, see `prompt_files.image_pixels`)."""
     pipe, steps = models.load_pipeline(kontext_dirs[variant], CPU, height=HEIGHT, width=WIDTH), 4
-    prompts = common.load_prompts(edit_prompts) if with_image else TEXTS
+    prompts = prompt_files.load_prompts(edit_prompts) if with_image else TEXTS
     noise = torch.randn(len(prompts), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
     cond = enc.cond(prompts, negative=False)
@@ -172,10 +173,10 @@ def test_ode_sampler_matches_flux_kontext_pipeline(kontext_dirs, edit_prompts, v
 
 def test_the_reference_image_changes_the_velocity_and_only_the_sampled_tokens_come_back(kontext_dirs, edit_prompts):
     pipe = models.load_pipeline(kontext_dirs["dev"], CPU, height=HEIGHT, width=WIDTH)
-    prompts = common.load_prompts(edit_prompts)
+    prompts = prompt_files.load_prompts(edit_prompts)
     enc = common.PromptEncoder(pipe)
     x = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(1))
-    same_text = [prompts[0], common.Prompt("k", prompts[0].text, prompts[1].image, prompts[1].size)]
+    same_text = [prompts[0], prompt_files.Prompt("k", prompts[0].text, prompts[1].image, prompts[1].size)]
     with torch.no_grad():
         v = common.velocity(pipe.transformer, x, 0.6, enc.cond(same_text, negative=False), 2.5)
         v_text = common.velocity(pipe.transformer, x, 0.6, enc.cond([prompts[0].text] * 2, negative=False), 2.5)
@@ -184,7 +185,7 @@ def test_the_reference_image_changes_the_velocity_and_only_the_sampled_tokens_co
 
 def test_each_image_is_encoded_once_alone_and_cached(kontext_dirs, edit_prompts, monkeypatch):
     pipe = models.load_pipeline(kontext_dirs["dev"], CPU, height=HEIGHT, width=WIDTH)
-    prompts = common.load_prompts(edit_prompts)
+    prompts = prompt_files.load_prompts(edit_prompts)
     calls, real = [], flux_kontext.encode_image
     monkeypatch.setattr(flux_kontext.FAMILY, "encode_image", lambda p, px: calls.append(px.shape) or real(p, px))
     enc = common.PromptEncoder(pipe)
@@ -193,7 +194,7 @@ def test_each_image_is_encoded_once_alone_and_cached(kontext_dirs, edit_prompts,
     assert calls == [(1, 3, HEIGHT, WIDTH)] * 3  # one call per image file, one image a call
     torch.testing.assert_close(again, first[:3].flip(0), rtol=0, atol=0)
     # the VAE's own encoding of the file, as FluxKontextPipeline._encode_vae_image makes it
-    pixels = pipe.image_processor.preprocess(common.load_image(prompts[2].image), HEIGHT, WIDTH)
+    pixels = pipe.image_processor.preprocess(prompt_files.load_image(prompts[2].image), HEIGHT, WIDTH)
     torch.testing.assert_close(first[2], pipe.pipe._encode_vae_image(pixels, None)[0], rtol=0, atol=0)
     with pytest.raises(common.UserError, match="mixes prompts with and without a reference image"):
         enc.cond([prompts[0], "a red circle"])
@@ -203,7 +204,7 @@ def test_a_wrongly_sized_image_is_refused_by_the_encoder_too(kontext_dirs, tmp_p
     """A hub id is not read before loading: `PromptEncoder` compares the latents with the model's."""
     pipe = models.load_pipeline(kontext_dirs["dev"], CPU)  # 32 x 32
     write_scenes(tmp_path, size=(WIDTH, HEIGHT), count=1)
-    prompts = common.load_prompts(write_prompt_file(tmp_path / "p.jsonl", [{"prompt": "a", "image": "scene0.png"}]))
+    prompts = prompt_files.load_prompts(write_prompt_file(tmp_path / "p.jsonl", [{"prompt": "a", "image": "scene0.png"}]))
     with pytest.raises(common.UserError, match=r"its image \(48 x 32 pixels\) encodes to latents \(4, 8, 12\), not the "):
         common.PromptEncoder(pipe).cond(prompts)
 
@@ -211,7 +212,7 @@ def test_a_wrongly_sized_image_is_refused_by_the_encoder_too(kontext_dirs, tmp_p
 def test_an_image_prompt_is_refused_by_a_text_family(random_pipeline_dir, edit_prompts):
     enc = common.PromptEncoder(models.load_pipeline(random_pipeline_dir, CPU))
     with pytest.raises(common.UserError, match="StableDiffusion3Pipeline takes no reference image"):
-        enc.cond(common.load_prompts(edit_prompts))
+        enc.cond(prompt_files.load_prompts(edit_prompts))
 
 
 KONTEXT_BAD_INPUTS = [  # (flags, a piece of the one error line), on the tiny Kontext (32 x 32) with 48 x 32 images
@@ -248,7 +249,7 @@ def test_a_text_prompt_file_and_a_linked_image_are_accepted(kontext_dirs, tmp_pa
     (tmp_path / "linked.png").symlink_to(tmp_path / "elsewhere" / "scene0.png")
     edit = write_prompt_file(tmp_path / "edit.jsonl", [{"prompt": "make the circle red", "image": "linked.png"}])
     (tmp_path / "text.txt").write_text("a red circle\n")
-    assert common.load_prompts(edit)[0].image == (tmp_path / "elsewhere" / "scene0.png").resolve()
+    assert prompt_files.load_prompts(edit)[0].image == (tmp_path / "elsewhere" / "scene0.png").resolve()
     module = load_algo("nft")
     for train_prompts, test_prompts in ((edit, tmp_path / "text.txt"), (tmp_path / "text.txt", edit)):
         argv = ["--model", kontext_dirs["dev"], "--train-prompts", str(train_prompts), "--test-prompts", str(test_prompts)]
@@ -318,7 +319,7 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
 
     run_dir, trained = train("crd", kontext_dirs["dev"], edit_prompts, tmp_path, "--num-epochs", "2")
     assert_finite_logs(scalars(run_dir))
-    prompt = common.load_prompts(edit_prompts)[1]
+    prompt = prompt_files.load_prompts(edit_prompts)[1]
     noise = torch.randn(1, *trained.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = common.PromptEncoder(trained).cond([prompt], negative=False)
     out = common.sample(trained.transformer, trained.scheduler, cond, num_steps=4, guidance_scale=2.5, noise=noise)

@@ -17,6 +17,7 @@ from test_flux_kontext import assert_finite_logs, write_prompt_file, write_scene
 
 import common
 import models
+import prompt_files
 from models import flux, qwenimage, qwenimage_edit
 
 CPU = torch.device("cpu")
@@ -74,7 +75,7 @@ def stock_images(pipe, prompt, noise, steps, guidance_scale, negative_prompt):
     with a scale > 1 and a negative prompt, as the model card calls it."""
     negative = {"negative_prompt": [negative_prompt]} if guidance_scale > 1 else {}
     return pipe(
-        image=common.load_image(prompt.image),
+        image=prompt_files.load_image(prompt.image),
         prompt=[prompt.text],
         true_cfg_scale=guidance_scale,
         height=HEIGHT,
@@ -91,7 +92,7 @@ def test_ode_sampler_matches_qwen_image_edit_pipeline(edit_dir, edit_prompts, gu
     """Same noise: our batched sampler (each prompt its own image) equals the pipeline called per prompt with that
     image, true CFG off and on (an empty negative prompt turns it on too, as in the pipeline). Measured ~1e-6."""
     pipe, steps = models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH), 3
-    prompts = common.load_prompts(edit_prompts)[:2]
+    prompts = prompt_files.load_prompts(edit_prompts)[:2]
     noise = torch.randn(len(prompts), *pipe.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = common.PromptEncoder(pipe, negative_prompt=negative_prompt).cond(prompts, negative=guidance_scale > 1)
     assert cond.image.shape == (2, 4, 832 // 16, 1248 // 16)  # the pipeline's ~1024^2 copy, not the sampled size
@@ -109,8 +110,8 @@ def test_the_image_reaches_both_encoders(edit_dir, edit_prompts):
     """The same text on two images: different embeddings (the VL encoder sees the image), different reference
     latents, and a different velocity; the negative prompt too is encoded on each image."""
     pipe = models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH)
-    a, b = common.load_prompts(edit_prompts)[:2]
-    same_text = [a, common.Prompt("k", a.text, b.image, b.size)]
+    a, b = prompt_files.load_prompts(edit_prompts)[:2]
+    same_text = [a, prompt_files.Prompt("k", a.text, b.image, b.size)]
     enc = common.PromptEncoder(pipe, negative_prompt="blurry")
     cond = enc.cond(same_text)
     n = int(cond.pooled[0].sum())
@@ -129,7 +130,7 @@ def test_each_image_is_encoded_once_and_the_negative_once_per_image(edit_dir, ed
     """The VAE sees each image once, at the pipeline's resized copy; the VL encoder each (text, image) once, the
     negative prompt once per image; each equal to the pipeline's own encoding."""
     pipe = models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH)
-    prompts = common.load_prompts(edit_prompts)
+    prompts = prompt_files.load_prompts(edit_prompts)
     images, texts = [], []
     real_image, real_encode = qwenimage_edit.encode_image, qwenimage_edit.encode
     monkeypatch.setattr(qwenimage_edit.FAMILY, "encode_image", lambda p, px: images.append(px.shape) or real_image(p, px))
@@ -160,7 +161,7 @@ def test_each_image_is_encoded_once_and_the_negative_once_per_image(edit_dir, ed
 
 def test_precompute_encodes_the_negative_on_each_image_and_no_bare_one(edit_dir, edit_prompts, monkeypatch):
     pipe = models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH)
-    prompts = common.load_prompts(edit_prompts)
+    prompts = prompt_files.load_prompts(edit_prompts)
     enc = common.PromptEncoder(pipe, negative_prompt="blurry")
     enc.precompute(prompts)
     keys = {k for k in enc.cache if isinstance(k, str)}
@@ -179,9 +180,11 @@ def test_the_library_path_refuses_text_prompts_and_mixed_sizes(edit_dir, edit_pr
     with pytest.raises(common.UserError, match="--max-sequence-length 64: QwenImageEditPipeline encodes the whole"):
         common.PromptEncoder(models.load_pipeline(edit_dir, CPU), max_sequence_length=64)
     write_scenes(tmp_path / "square", size=(32, 32), count=1)
-    square = common.load_prompts(write_prompt_file(tmp_path / "sq.jsonl", [{"prompt": "a", "image": "square/scene0.png"}]))
+    square = prompt_files.load_prompts(
+        write_prompt_file(tmp_path / "sq.jsonl", [{"prompt": "a", "image": "square/scene0.png"}])
+    )
     with pytest.raises(common.UserError, match=r"reference latents \(4, 64, 64\) differ from those of .* \(4, 52, 78\)"):
-        enc.cond([common.load_prompts(edit_prompts)[0], square[0]], negative=False)
+        enc.cond([prompt_files.load_prompts(edit_prompts)[0], square[0]], negative=False)
 
 
 @pytest.fixture
@@ -279,7 +282,7 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
 
     run_dir, trained = train("crd", edit_dir, edit_prompts, tmp_path, "--num-epochs", "2")
     assert_finite_logs(scalars(run_dir))
-    prompt = common.load_prompts(edit_prompts)[1]
+    prompt = prompt_files.load_prompts(edit_prompts)[1]
     noise = torch.randn(1, *trained.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = common.PromptEncoder(trained, negative_prompt="blurry").cond([prompt])
     out = common.sample(trained.transformer, trained.scheduler, cond, num_steps=4, guidance_scale=2.5, noise=noise)

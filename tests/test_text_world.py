@@ -7,6 +7,7 @@ from conftest import run_script
 
 import common
 import models
+import prompt_files
 from assets import text_world
 from rewards import ocr
 
@@ -29,8 +30,8 @@ def test_splits_are_disjoint_deterministic_and_match_the_shipped_files():
     for _, prompt, word in train + test:
         assert 2 <= len(word) <= 4 and set(word) <= set(text_world.LETTERS)
         assert ocr.quoted_text(prompt) == word
-    assert common.load_prompts(str(TEXT_TEST)) == [p for _, p, _ in test]
-    assert common.load_prompts(str(TEXT_TRAIN)) == [p for _, p, _ in train]
+    assert prompt_files.load_prompts(str(TEXT_TEST)) == [p for _, p, _ in test]
+    assert prompt_files.load_prompts(str(TEXT_TRAIN)) == [p for _, p, _ in train]
 
 
 def test_renderings_are_read_back(reward):
@@ -56,7 +57,7 @@ def base_samples():
     """The base tiny-text model's held-out eval images, exactly as the scripts' eval samples them (ODE, 10 steps,
     CFG 1, fixed noise, one image per prompt)."""
     pipe = models.load_pipeline(TINY_TEXT, torch.device("cpu"))
-    prompts = common.load_prompts(str(TEXT_TEST))
+    prompts = prompt_files.load_prompts(str(TEXT_TEST))
     images, _ = common.evaluate(
         pipe,
         pipe.transformer,
@@ -87,7 +88,7 @@ def test_rl_raises_the_ocr_score(tmp_path):
     the same; measured 0.708 -> 0.958, exact spelling 0.50 -> 0.88, seed 1, 15 s)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    words = common.load_prompts(str(TEXT_TRAIN))[:4]
+    words = prompt_files.load_prompts(str(TEXT_TRAIN))[:4]
     (tmp_path / "p.txt").write_text("\n".join(words) + "\n")
     cmd = [
         "algos/nft.py",

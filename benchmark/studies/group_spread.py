@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import prompt_files  # noqa: E402
 from algos.grpo import sde_window_steps  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
@@ -64,7 +65,7 @@ def main():
         raise common.UserError(f"--groups must be a positive multiple of 8 (got {args.groups})")
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    prompt_list = common.load_prompts(args.prompts)
+    prompt_list = prompt_files.load_prompts(args.prompts)
     reward = load_rewards(args.reward, device, prompt_list)
     pipe = models.load_pipeline(args.model, device)
     encoder = common.PromptEncoder(pipe, None, "")

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+import prompt_files  # noqa: E402
 from assets import world  # noqa: E402
 from benchmark.convergence import RESULTS, append, prompt_sets, score, summary  # noqa: E402
 from rewards import shapes  # noqa: E402
@@ -56,7 +57,7 @@ def main():
     t0 = time.time()
     pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
     encoder = common.PromptEncoder(pipe)
-    train = common.load_prompts(common.TRAIN_PROMPTS)
+    train = prompt_files.load_prompts(common.TRAIN_PROMPTS)
 
     # 1. the base's samples of every training prompt; keep the exact ones (or reuse the kept ones from --cache)
     key = {"guidance_scale": args.guidance_scale, "samples_per_prompt": args.samples_per_prompt, "seed": args.seed}
