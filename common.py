@@ -94,7 +94,8 @@ class Family:
     image as it is, which must then encode to the sampled latents' shape (FLUX.1-Kontext). `encode_records`: the text
     encoder sees the reference image too (Qwen-Image-Edit's Qwen2.5-VL), so `encode` receives the `Prompt` records
     (text and image) rather than their text, and the negative prompt is encoded on each prompt's image
-    (`PromptEncoder.negative`)."""
+    (`PromptEncoder.negative`). `check_images(prompts, (width, height) sampled, flag)`: an edit family's check of a
+    prompt set's reference images before loading (its `check` runs it on the prompt files, DPO on its pairs file)."""
 
     name: str
     pipelines: tuple
@@ -119,6 +120,7 @@ class Family:
     encode_image: Optional[Callable] = None  # (pipe, pixels) -> reference latents: an edit family (see above)
     reference_size: Optional[Callable] = None  # ((width, height)) -> the size a reference image is resized to (above)
     encode_records: bool = False  # `encode` takes the `Prompt` records: the text encoder sees the image (see above)
+    check_images: Optional[Callable] = None  # (prompts, (width, height), flag) -> None, raises UserError (see above)
 
 
 FAMILIES: dict = {}  # pipeline class name -> Family, filled by `import models` (register); common never imports models/

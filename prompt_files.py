@@ -91,6 +91,19 @@ def read_image(path: Path, where: str, written: str) -> tuple:
     return _IMAGES[key]
 
 
+def image_prompt(text: str, written, folder: Path, where: str) -> Prompt:
+    """The `Prompt` record of `text` on the image a jsonl line names (`written`, its "image" field, a path relative to
+    `folder`, the file's), the image decoded now (`read_image`); a field that is not a path, a missing file or one
+    that is not a readable image is one `UserError` line starting with `where` (the file and line). load_prompts and
+    DPO's pairs file (algos/dpo.py `load_pairs`) build their records here."""
+    if not isinstance(written, str) or not written.strip():
+        raise UserError(
+            f"{where}: 'image' is {short(json.dumps(written))}, expected an image file's path (relative to the file's folder)"
+        )
+    width, height, digest = read_image(folder / written, where, written)
+    return Prompt(f"{text} [{written} {digest}]", text, (folder / written).resolve(), (width, height))
+
+
 def load_prompts(path: str) -> list:
     """Prompts from a .txt (one per line) or .jsonl (a "prompt" field per line) file; blank lines are skipped.
 
@@ -126,14 +139,7 @@ def load_prompts(path: str) -> list:
             if len(with_image) > 1:
                 raise UserError(f"{path}:{n}: every line of a prompt file carries an 'image', or none does")
             if "image" in record:
-                written = record["image"]
-                if not isinstance(written, str) or not written.strip():
-                    raise UserError(
-                        f"{path}:{n}: 'image' is {short(json.dumps(written))}, expected an image file's path "
-                        "(relative to the prompt file's folder)"
-                    )
-                width, height, digest = read_image(p.parent / written, f"{path}:{n}", written)
-                prompt = Prompt(f"{prompt} [{written} {digest}]", prompt, (p.parent / written).resolve(), (width, height))
+                prompt = image_prompt(prompt, record["image"], p.parent, f"{path}:{n}")
             prompts.append(prompt)
         else:
             prompts.append(line.strip())

@@ -2,6 +2,7 @@
 
 python algos/dpo.py                                                    # tiny-shapes on CPU, a few minutes
 python algos/dpo.py --pairs pairs.jsonl                                # offline: {"prompt", "chosen", "rejected"} images
+python algos/dpo.py --model <FLUX.1-Kontext> --pairs edits.jsonl       # offline edits: lines with "image", the one to edit
 torchrun --nproc-per-node 8 algos/dpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
 """
 
@@ -159,7 +160,7 @@ class Args:
     dpo_beta: float = 50.0
     """beta of Eq. (14), T omega(lambda_t) folded in; flow_grpo's SD3.5 value is 100 x its 0.5 = 50 (docs/dpo.md)"""
     pairs: run.OptionalStr = None
-    """offline: a .jsonl of {"prompt", "chosen", "rejected"} image paths; without "rejected": SFT"""
+    """offline: a .jsonl of {"prompt", "chosen", "rejected"} image paths; without "rejected": SFT; with "image": edits"""
     pairs_per_group: Literal["best-worst", "all"] = "best-worst"
     """online pairs: each group's best vs worst rollout, or every ordered pair of unequal rewards"""
     rollout_policy: Literal["current", "base"] = "current"
@@ -239,9 +240,12 @@ def draw_lines(num_lines: int, count: int, generator: torch.Generator) -> list:
 
 def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
     """--pairs: one JSON object a line, {"prompt": str, "chosen": image path, "rejected": image path}, paths relative
-    to the file's folder; every line with a "rejected" (DPO) or none (SFT). Every image is read here, before the model
-    loads, and must be RGB-convertible and of one size (--height/--width when given). Returns (prompts, chosen
-    [N, H, W, 3] uint8, rejected or None). A problem is one UserError naming the line."""
+    to the file's folder; every line with a "rejected" (DPO) or none (SFT). An edit family's line adds the image to
+    edit, "image": its path: the prompt is then a `prompt_files.Prompt` record, as a prompt file's line with an
+    "image" (so `PromptEncoder.cond` gives the reference latents, `Cond.image`); every line has one or none does. Every
+    image is read here, before the model loads; the chosen and rejected ones must be RGB-convertible and of one size
+    (--height/--width when given). Returns (prompts, chosen [N, H, W, 3] uint8, rejected or None). A problem is one
+    UserError naming the line."""
     from PIL import Image
 
     file = Path(path).expanduser()
@@ -249,7 +253,7 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
         lines = file.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise common.UserError(f"--pairs {path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
-    prompts, images, sizes, kinds = [], {"chosen": [], "rejected": []}, set(), set()
+    prompts, images, sizes, kinds, with_image = [], {"chosen": [], "rejected": []}, set(), set(), set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -266,7 +270,13 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
         kinds.add(len(keys))
         if len(kinds) > 1:
             raise common.UserError(f'{where}: every line needs a "rejected" image (DPO), or none does (SFT)')
-        prompts.append(row["prompt"])
+        with_image.add("image" in row)
+        if len(with_image) > 1:
+            raise common.UserError(f'{where}: every line carries an "image" (the image to edit), or none does')
+        if "image" in row:  # read and checked as a prompt file's image (prompt_files.load_prompts)
+            prompts.append(prompt_files.image_prompt(row["prompt"], row["image"], file.parent, where))
+        else:
+            prompts.append(row["prompt"])
         for key in keys:
             if not isinstance(row[key], str):
                 raise common.UserError(f'{where}: "{key}" must be an image path')
@@ -290,18 +300,36 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
     return prompts, np.stack(images["chosen"]), rejected
 
 
+def check_pair_images(model: str, prompts: list, size: tuple, flag: str):
+    """Before the model loads (its model_index.json names the family): lines with an image to edit need an edit family
+    (`Family.encode_image`), whose `check_images` then checks them as it takes them: FLUX.1-Kontext each at the sampled
+    size, `size` (width, height) of the chosen images; Qwen-Image-Edit resizes each, to one size for the whole file."""
+    name = models.pipeline_config(model).get("_class_name")
+    family = common.FAMILIES.get(name)
+    if family is None:  # load_pipeline reports it
+        return
+    if family.encode_image is None and isinstance(prompts[0], prompt_files.Prompt):
+        edit = ", ".join(sorted(k for k, f in common.FAMILIES.items() if f.encode_image))
+        raise common.UserError(f"{flag}: its lines carry an image to edit, but {name} takes none (edit families: {edit})")
+    if family.check_images is not None:
+        family.check_images(prompts, size, flag)
+
+
 @torch.no_grad()
 def encode_images(pipe, pixels: np.ndarray, chunk: int) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> the sampler's latents, the inverse of models.shared.vae_decode: (mode of the VAE posterior -
-    shift_factor) x scaling_factor. Only for the families that decode with it, whose sampler latents are the VAE's own
-    (SD3, FLUX.1, ...; tested on SD3)."""
-    if pipe.family.decode is not models.shared.vae_decode:
-        raise common.UserError(
-            f"--pairs: offline pairs need a family that samples the VAE's own latents, not {pipe.family.name}"
-        )
+    """uint8 [N, H, W, 3] -> the sampler's latents, the inverse of `decode`: an edit family's `encode_image` (the
+    reference latents are the sampled ones' form: FLUX.1-Kontext, Qwen-Image-Edit), else that of
+    models.shared.vae_decode, (mode of the VAE posterior - shift_factor) x scaling_factor, for the families that decode
+    with it, whose sampler latents are the VAE's own (SD3, FLUX.1, ...; tested on SD3)."""
+    family = pipe.family
+    if family.encode_image is None and family.decode is not models.shared.vae_decode:
+        raise common.UserError(f"--pairs: offline pairs need a family that samples the VAE's own latents, not {family.name}")
     vae = pipe.vae
     out = []
     for part in torch.from_numpy(pixels).split(chunk):
+        if family.encode_image is not None:  # pixels as image_pixels makes them: x / 255 * 2 - 1 in float32
+            out.append(family.encode_image(pipe.pipe, 2.0 * (part.permute(0, 3, 1, 2).float().to(vae.device) / 255.0) - 1.0))
+            continue
         x = part.permute(0, 3, 1, 2).to(vae.device, vae.dtype) / 127.5 - 1
         z = vae.encode(x).latent_dist.mode().float()
         out.append((z - (getattr(vae.config, "shift_factor", None) or 0.0)) * vae.config.scaling_factor)
@@ -338,6 +366,7 @@ def main(args: Args):
         if online_flags:
             raise common.UserError(f"--{online_flags[0].replace('_', '-')}: an online setting, but --pairs trains offline")
         offline = load_pairs(args.pairs, args.height or args.resolution, args.width or args.resolution)
+        check_pair_images(args.model, offline[0], offline[1].shape[2:0:-1], f"--pairs {args.pairs}")
         if offline[2] is not None and args.micro_batch % 2:
             raise common.UserError(
                 f"micro_batch ({args.micro_batch}) must be even with --pairs: a pair's two images train together"

@@ -88,9 +88,13 @@ def check(config, args):
     for name in ("train_prompts", "test_prompts"):
         path = getattr(args, name, None)
         if path is not None:
-            prompt_files.check_image_sizes(
-                prompt_files.load_prompts(path), width, height, f"--{name.replace('_', '-')} {path}"
-            )
+            check_images(prompt_files.load_prompts(path), (width, height), f"--{name.replace('_', '-')} {path}")
+
+
+def check_images(prompts, size, flag):
+    """Every reference image at `size` (width, height), the sampled size: the reference latents share the sampled
+    latents' grid, and FluxKontextPipeline called with `_auto_resize=False` does not resize them (`card`)."""
+    prompt_files.check_image_sizes(prompts, *size, flag)
 
 
 def card(pipe, call, settings):
@@ -120,6 +124,7 @@ FAMILY = common.Family(
     tokens=flux.FAMILY.tokens,
     mu=common.linear_mu,
     check=check,
+    check_images=check_images,
     no_negative=lambda pipe: NO_NEGATIVE,
     card=card,
     lora_targets=flux.FAMILY.lora_targets,

@@ -93,24 +93,29 @@ def check(config, args):
         path = getattr(args, name, None)
         if path is None:
             continue
-        flag = f"--{name.replace('_', '-')} {path}"
-        prompts = prompt_files.load_prompts(path)
-        if not isinstance(prompts[0], prompt_files.Prompt):
-            raise common.UserError(f"{flag}: {NEEDS_IMAGE}")
-        first = reference_size(prompts[0].size)
-        for prompt in prompts:
-            width, height = size = reference_size(prompt.size)
-            if min(size) == 0 or max(size) / min(size) > MAX_ASPECT:
-                raise common.UserError(
-                    f"{flag}: prompt {common.short(prompt)}: its image ({prompt.size[0]} x {prompt.size[1]} pixels) "
-                    f"resizes to {width} x {height} for Qwen-Image-Edit, beyond the VL processor's {MAX_ASPECT}:1 aspect"
-                )
-            if size != first:
-                raise common.UserError(
-                    f"{flag}: prompt {common.short(prompt)}: its image resizes to {width} x {height} for Qwen-Image-Edit, "
-                    f"the first prompt's to {first[0]} x {first[1]}: one file's images need one aspect ratio (a batch's "
-                    "reference latents are stacked)"
-                )
+        check_images(prompt_files.load_prompts(path), None, f"--{name.replace('_', '-')} {path}")
+
+
+def check_images(prompts, size, flag):
+    """Every prompt carries an image, whose pipeline copy the VL processor takes (aspect at most MAX_ASPECT), and all
+    resize to one size (`reference_size`: a batch's reference latents are stacked). Any image size (`size`, the
+    sampled one, is not used): the pipeline resizes it."""
+    if not isinstance(prompts[0], prompt_files.Prompt):
+        raise common.UserError(f"{flag}: {NEEDS_IMAGE}")
+    first = reference_size(prompts[0].size)
+    for prompt in prompts:
+        width, height = resized = reference_size(prompt.size)
+        if min(resized) == 0 or max(resized) / min(resized) > MAX_ASPECT:
+            raise common.UserError(
+                f"{flag}: prompt {common.short(prompt)}: its image ({prompt.size[0]} x {prompt.size[1]} pixels) "
+                f"resizes to {width} x {height} for Qwen-Image-Edit, beyond the VL processor's {MAX_ASPECT}:1 aspect"
+            )
+        if resized != first:
+            raise common.UserError(
+                f"{flag}: prompt {common.short(prompt)}: its image resizes to {width} x {height} for Qwen-Image-Edit, "
+                f"the first prompt's to {first[0]} x {first[1]}: one file's images need one aspect ratio (a batch's "
+                "reference latents are stacked)"
+            )
 
 
 def load_processor(folder):
@@ -166,6 +171,7 @@ FAMILY = common.Family(
     mu=common.linear_mu,
     load_kwargs=load_kwargs,
     check=check,
+    check_images=check_images,
     card=card,
     lora_targets=qwenimage.FAMILY.lora_targets,
     encode_image=encode_image,

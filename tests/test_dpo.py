@@ -15,6 +15,7 @@ from PIL import Image
 import checkpoints
 import common
 import models
+import prompt_files
 from algos import dpo
 from assets import world
 
@@ -208,6 +209,206 @@ def test_offline_chosen_only_is_sft(tmp_path):
     # the flow-matching loss of a pretrained model on its own world's images: well below the loss of a zero velocity
     assert 0 < logged["losses/policy_loss"][0] < 1.0
     assert checkpoints.load_checkpoint(run_dir)["step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# offline edits: pairs lines with the image to edit, on a tiny FLUX.1-Kontext (tests/test_flux_kontext.py)
+# ---------------------------------------------------------------------------------------------------------------------
+EDIT_HEIGHT, EDIT_WIDTH = 32, 48  # not square, as test_flux_kontext's
+
+
+@pytest.fixture(scope="module")
+def kontext_dir(tmp_path_factory):
+    import tiny_families
+
+    return tiny_families.flux_kontext(tmp_path_factory.mktemp("kontext") / "dev")
+
+
+def write_edit_pairs(folder: Path, n: int = 3, sft: bool = False, out=(EDIT_WIDTH, EDIT_HEIGHT), size=None) -> Path:
+    """An edit pairs file: line k has its own random scene ("image", of `size`, default `out`) and random chosen /
+    rejected images of the sampled size `out` (width, height), paths relative to the file's folder (in subfolders)."""
+    size = size or out
+    rng = np.random.default_rng(0)
+    for sub in ("scenes", "img"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+
+    def save(path, wh):
+        Image.fromarray(rng.integers(0, 256, (wh[1], wh[0], 3), dtype=np.uint8)).save(folder / path)
+        return path
+
+    rows = []
+    for k in range(n):
+        row = {"prompt": ["make the circle red", "add a blue square", "remove the square"][k % 3]}
+        row["image"] = save(f"scenes/{k}.png", size)
+        row["chosen"] = save(f"img/{k}_w.png", out)
+        if not sft:
+            row["rejected"] = save(f"img/{k}_l.png", out)
+        rows.append(row)
+    (folder / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "edits.jsonl"
+
+
+def edit_argv(tmp_path, model, pairs, *flags, out=(EDIT_WIDTH, EDIT_HEIGHT)):
+    """A tiny offline run on `model` (--height/--width `out`, the chosen images'), the train and test prompts two of
+    the scenes (Qwen-Image-Edit needs an image in every prompt file)."""
+    test = Path(pairs).parent / "test.jsonl"
+    rows = [
+        {"prompt": "make the circle red", "image": "scenes/0.png"},
+        {"prompt": "add a blue square", "image": "scenes/1.png"},
+    ]
+    test.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        *TINY,
+        *["--model", model, "--height", out[1], "--width", out[0], "--reward", "jpeg_compressibility", "--pairs", pairs],
+        *["--train-prompts", test, "--test-prompts", test, "--output-dir", tmp_path / "runs", "--num-epochs", "1"],
+        *flags,
+    ]
+
+
+def recorded_velocity(monkeypatch) -> list:
+    """common.velocity recorded: the Cond of every call with gradients on (the training forwards)."""
+    calls, velocity = [], common.velocity
+
+    def recording(transformer, x, sigma, cond, *a, **k):
+        if torch.is_grad_enabled():
+            calls.append((x.shape[0], cond))
+        return velocity(transformer, x, sigma, cond, *a, **k)
+
+    monkeypatch.setattr(common, "velocity", recording)
+    return calls
+
+
+def test_offline_dpo_on_edit_pairs_trains_kontext_on_each_lines_image(kontext_dir, tmp_path, capsys, monkeypatch):
+    """Offline DPO on a tiny FLUX.1-Kontext from edit pairs: finite DPO losses and the implicit accuracy logged, and
+    every training forward conditioned on the reference latents of the pair's own line: a pair's chosen and rejected
+    rows share them, the lines' different scenes give different ones, and they are the family's encoding of the
+    line's image file (encoded again here, by the VAE of the same tiny model)."""
+    from models import flux_kontext
+
+    pairs = write_edit_pairs(tmp_path)
+    calls = recorded_velocity(monkeypatch)
+    assert run_in_process(dpo, edit_argv(tmp_path, kontext_dir, pairs, "--eval-every", "1")) == 0
+    assert "offline DPO (3 lines)" in capsys.readouterr().out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logged = scalars(run_dir)
+    for tag in ("losses/policy_loss", "losses/implicit_acc", "losses/margin", "eval/jpeg_compressibility"):
+        assert tag in logged and all(math.isfinite(v) for v in logged[tag]), tag
+    assert 0 <= logged["losses/implicit_acc"][0] <= 1 and logged["charts/pairs"] == [4.0]
+    assert calls and all(cond.image is not None and cond.image.shape[0] == b for b, cond in calls)
+    pipe = models.load_pipeline(str(kontext_dir), torch.device("cpu"), height=EDIT_HEIGHT, width=EDIT_WIDTH)
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    with torch.no_grad():
+        scenes = [flux_kontext.encode_image(pipe.pipe, prompt_files.image_pixels(pairs.parent / r["image"]))[0] for r in rows]
+    assert not torch.equal(scenes[0], scenes[1])
+    for b, cond in calls:  # [chosen..., rejected...] of the micro-batch's pairs
+        chosen, rejected = cond.image[: b // 2], cond.image[b // 2 :]
+        assert torch.equal(chosen, rejected)
+        for z in chosen:
+            assert any(torch.allclose(z, s, atol=1e-6) for s in scenes)
+
+
+def test_offline_sft_on_edit_lines_without_rejected(kontext_dir, tmp_path, capsys, monkeypatch):
+    """Edit lines with only a chosen image: SFT on a tiny FLUX.1-Kontext, the flow-matching loss finite, no DPO
+    metrics, every training forward with reference latents."""
+    pairs = write_edit_pairs(tmp_path, sft=True)
+    calls = recorded_velocity(monkeypatch)
+    assert run_in_process(dpo, edit_argv(tmp_path, kontext_dir, pairs, "--eval-every", "5")) == 0
+    assert "offline SFT (3 lines)" in capsys.readouterr().out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logged = scalars(run_dir)
+    assert math.isfinite(logged["losses/policy_loss"][0]) and logged["losses/policy_loss"][0] > 0
+    assert "losses/implicit_acc" not in logged and logged["charts/pairs"] == [0.0]
+    assert calls and all(cond.image is not None and cond.image.shape[0] == b for b, cond in calls)
+
+
+def bad_edit_files(folder: Path) -> dict:
+    """name -> (pairs file, a piece of the one error line, model: "kontext" or the default text-only tiny-shapes)."""
+    good = write_edit_pairs(folder / "good")
+    lines = good.read_text().splitlines()
+    first = json.loads(lines[0])
+    no_image = {k: v for k, v in first.items() if k != "image"}
+    Image.new("RGB", (EDIT_HEIGHT, EDIT_HEIGHT)).save(folder / "good" / "scenes" / "square.png")
+    cases = {
+        "missing image": (json.dumps({**first, "image": "scenes/nothere.png"}), "image 'scenes/nothere.png' not found"),
+        "not an image": (json.dumps({**first, "image": "edits.jsonl"}), "cannot be read as an image"),
+        "not a path": (json.dumps({**first, "image": 3}), "'image' is '3', expected an image file's path"),
+        "mixed": ("\n".join([lines[0], json.dumps(no_image)]), 'every line carries an "image"'),
+        "mixed first without": ("\n".join([json.dumps(no_image), lines[0]]), 'every line carries an "image"'),
+        "wrong size": (
+            json.dumps({**first, "image": "scenes/square.png"}),
+            f"its image is {EDIT_HEIGHT} x {EDIT_HEIGHT} pixels, but the model samples {EDIT_WIDTH} x {EDIT_HEIGHT}",
+        ),
+        "text family": (lines[0], "its lines carry an image to edit, but StableDiffusion3Pipeline takes none"),
+    }
+    out = {}
+    for name, (text, message) in cases.items():
+        path = folder / "good" / f"{name.replace(' ', '_')}.jsonl"
+        path.write_text(text + "\n")
+        out[name] = (path, message)
+    return out
+
+
+@pytest.mark.parametrize(
+    "case", ["missing image", "not an image", "not a path", "mixed", "mixed first without", "wrong size", "text family"]
+)
+def test_bad_edit_pairs_one_line_before_the_model_loads(case, kontext_dir, tmp_path, capsys, monkeypatch):
+    loaded, load = [], models.load_pipeline
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
+    path, message = bad_edit_files(tmp_path)[case]
+    argv = edit_argv(tmp_path, kontext_dir, path)
+    if case == "text family":  # the tiny SD3 (64 x 64): its own size, so only the image is wrong
+        argv = offline_argv(tmp_path, path, "--height", EDIT_HEIGHT, "--width", EDIT_WIDTH)
+    capsys.readouterr()
+    rc = run_in_process(dpo, argv)
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and line.startswith("error: --pairs") and message in line, line
+    assert not loaded and not (tmp_path / "runs").exists()
+
+
+QWEN_OUT = (96, 64)  # test_qwenimage_edit's sampled size; the scenes 48 x 32 (3:2), resized by the family
+
+
+@pytest.fixture(scope="module")
+def qwen_edit_dir(tmp_path_factory):
+    import tiny_families
+
+    return tiny_families.qwen_image_edit(tmp_path_factory.mktemp("qwen-edit") / "model")
+
+
+def test_offline_dpo_on_edit_pairs_trains_qwen_image_edit(qwen_edit_dir, tmp_path, capsys, monkeypatch):
+    """The other edit family: its reference images resized (any size of one aspect ratio), the chosen and rejected
+    images encoded by its `encode_image` (its latents are not the VAE's own): finite DPO losses, reference latents in
+    every training forward."""
+    pairs = write_edit_pairs(tmp_path, out=QWEN_OUT, size=(48, 32))
+    calls = recorded_velocity(monkeypatch)
+    assert run_in_process(dpo, edit_argv(tmp_path, qwen_edit_dir, pairs, "--eval-every", "5", out=QWEN_OUT)) == 0
+    assert "offline DPO (3 lines)" in capsys.readouterr().out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logged = scalars(run_dir)
+    for tag in ("losses/policy_loss", "losses/implicit_acc", "losses/margin"):
+        assert tag in logged and all(math.isfinite(v) for v in logged[tag]), tag
+    assert calls and all(cond.image is not None and cond.image.shape[0] == b for b, cond in calls)
+
+
+@pytest.mark.parametrize("case", ["text only", "two aspect ratios"])
+def test_bad_qwen_edit_pairs_one_line_before_the_model_loads(case, qwen_edit_dir, tmp_path, capsys, monkeypatch):
+    """Qwen-Image-Edit's own checks on the pairs file: every line needs an image, all of one resized size."""
+    loaded, load = [], models.load_pipeline
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
+    pairs = write_edit_pairs(tmp_path / "data", out=QWEN_OUT, size=(48, 32))
+    argv = edit_argv(tmp_path, qwen_edit_dir, pairs, out=QWEN_OUT)  # writes the (good) prompt files
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    if case == "text only":
+        rows, message = [{k: v for k, v in r.items() if k != "image"} for r in rows], "edits an image: every prompt needs one"
+    else:
+        Image.new("RGB", (32, 32)).save(pairs.parent / "scenes" / "square.png")
+        rows[1]["image"], message = "scenes/square.png", "its image resizes to 1024 x 1024 for Qwen-Image-Edit"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    rc = run_in_process(dpo, argv)
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and line.startswith("error: --pairs") and message in line, line
+    assert not loaded and not (tmp_path / "runs").exists()
 
 
 # measured (6 epochs, 4 prompts x 8, CFG 1, 40-60 s each on one core): compressibility -0.739 -> -0.524 (+0.22),
