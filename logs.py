@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from checkpoints import check_run_folder, rng_state, script_name, set_rng_state
-from common import UserError, evaluate
+from common import Cond, UserError, autocast, decode, randn, sample, velocity
 from distributed import busy_cpu_hint, check_device
 from export import git_commit
 from models import EvalEMA, is_fsdp
@@ -253,3 +253,95 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# held-out sampling: the fixed noises every evaluation shares
+# ----------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def dpm_solver_sample(
+    transformer, scheduler, cond: Cond, noise: torch.Tensor, *, num_steps: int, guidance_scale: float = 1.0, use_autocast=False
+) -> torch.Tensor:
+    """ODE sampling with diffusers' DPMSolverMultistepScheduler (2nd-order DPM-Solver++ on flow sigmas, the Sana
+    scheduler config that DGPO evaluates with, scripts/train_sd3_dgpo.py:557-559) at the pipeline scheduler's static
+    shift; the model sees the scheduler's timestep t as sigma = t / 1000, as a stock pipeline passes it. Returns the
+    final latents. Deterministic: no noise is drawn after `noise`."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    if scheduler.config.get("use_dynamic_shifting", False):
+        raise UserError("the DPM-Solver evaluation needs a scheduler with a static shift (SD3)")
+    dpm = DPMSolverMultistepScheduler(
+        num_train_timesteps=scheduler.config.get("num_train_timesteps", 1000),
+        flow_shift=scheduler.config.get("shift", 1.0),
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        final_sigmas_type="zero",
+        lower_order_final=True,
+    )
+    dpm.set_timesteps(num_steps, device=noise.device)
+    x = noise.float()
+    for t in dpm.timesteps:
+        with autocast(noise.device, use_autocast):
+            v = velocity(transformer, x, t.float() / dpm.config.num_train_timesteps, cond, guidance_scale)
+        x = dpm.step(v.float(), t, x).prev_sample
+    return x
+
+
+def evaluate(
+    pipe,
+    transformer,
+    encoder,
+    prompts,
+    reward_fn,
+    *,
+    num_steps,
+    guidance_scale,
+    seed,
+    batch=32,
+    use_autocast=False,
+    repeats: int = 2,
+    progress: bool = True,
+    schedule: str = "pipeline",
+    solver: str = "euler",
+):
+    """ODE samples of a fixed prompt list (each `repeats` times) with fixed noise (seed + chunk index), scored by
+    `reward_fn`: the same noise in every run and algorithm, so eval curves compare. `solver` "dpm" uses
+    `dpm_solver_sample` (its own flow sigmas, `schedule` ignored). Returns (images, {reward: [B]}), prompts * repeats."""
+    from tqdm import tqdm
+
+    prompts = list(prompts) * repeats
+    images, scores = [], {}
+    # a context manager, so that the bar is cleared before an error (e.g. a reward returning NaN) is reported
+    with tqdm(total=len(prompts), desc="eval", unit="img", leave=False, disable=not progress) as bar:
+        for k in range(0, len(prompts), batch):
+            chunk = prompts[k : k + batch]
+            gen = torch.Generator().manual_seed(seed + k)
+            cond = encoder.cond(chunk, negative=guidance_scale > 1)
+            if solver == "dpm":  # the same initial noise as the Euler sampler draws from `gen`
+                shape = (
+                    getattr(pipe, "latent_shape", None)
+                    or (transformer.config.in_channels,) + (transformer.config.sample_size,) * 2
+                )
+                noise = randn((len(chunk), *shape), gen).to(cond.embeds.device)
+                kwargs = dict(num_steps=num_steps, guidance_scale=guidance_scale, use_autocast=use_autocast)
+                latents = dpm_solver_sample(transformer, pipe.scheduler, cond, noise, **kwargs)
+            else:
+                latents = sample(
+                    transformer,
+                    pipe.scheduler,
+                    cond,
+                    num_steps=num_steps,
+                    guidance_scale=guidance_scale,
+                    generator=gen,
+                    latent_shape=getattr(pipe, "latent_shape", None),
+                    use_autocast=use_autocast,
+                    schedule=schedule,
+                ).latents
+            imgs = decode(pipe, latents)
+            for name, value in reward_fn(imgs, chunk).items():
+                scores.setdefault(name, []).append(value.float().cpu())
+            images.append(imgs.cpu())
+            bar.update(len(chunk))
+    return torch.cat(images), {k: torch.cat(v) for k, v in scores.items()}

@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
 from rewards import shapes  # noqa: E402
 
@@ -56,7 +57,7 @@ def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes_eval
     per_cat = defaultdict(lambda: defaultdict(list))
     images = []
     for seed in seeds:
-        imgs, _ = common.evaluate(
+        imgs, _ = logs.evaluate(
             pipe,
             pipe.transformer,
             encoder,

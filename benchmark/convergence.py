@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
 import prompt_files  # noqa: E402
 import rewards  # noqa: E402
@@ -209,7 +210,7 @@ def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, m
     """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model."""
     out = defaultdict(list)
     for n in range(noises):
-        _, s = common.evaluate(
+        _, s = logs.evaluate(
             pipe,
             pipe.transformer,
             encoder,

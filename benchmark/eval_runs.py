@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import logs  # noqa: E402
 import models  # noqa: E402
 import prompt_files  # noqa: E402
 from rewards import load_rewards  # noqa: E402
@@ -45,7 +46,7 @@ def score(model: str, prompts: list, seeds: list, export=None) -> dict:
     encoder, rewards = common.PromptEncoder(pipe), load_rewards("shapes_clean", "cpu")
     out = defaultdict(list)
     for seed in seeds:
-        _, scores = common.evaluate(
+        _, scores = logs.evaluate(
             pipe,
             pipe.transformer,
             encoder,

@@ -833,7 +833,7 @@ def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler
     steps, shift = 6, pipe.scheduler.config["shift"]
     noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
-    latents = common.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
+    latents = logs.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
     dpm = DPMSolverMultistepScheduler(
         flow_shift=shift, use_flow_sigmas=True, prediction_type="flow_prediction", solver_order=2, final_sigmas_type="zero"
     )

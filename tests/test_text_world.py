@@ -6,6 +6,7 @@ import torch
 from conftest import run_script
 
 import common
+import logs
 import models
 import prompt_files
 from assets import text_world
@@ -58,7 +59,7 @@ def base_samples():
     CFG 1, fixed noise, one image per prompt)."""
     pipe = models.load_pipeline(TINY_TEXT, torch.device("cpu"))
     prompts = prompt_files.load_prompts(str(TEXT_TEST))
-    images, _ = common.evaluate(
+    images, _ = logs.evaluate(
         pipe,
         pipe.transformer,
         common.PromptEncoder(pipe),
