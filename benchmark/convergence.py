@@ -80,8 +80,10 @@ SETTINGS = {
     "dgpo": ("dgpo", []),
     "dgpo_kl0.1": ("dgpo", ["--kl-beta", "0.1"]),
     "grpo": ("grpo", []),
-    "dpo": ("dpo", []),
-    "elbo_grpo": ("elbo_grpo", []),
+    # each file's defaults on the tiny models (every weight: --full-finetune is their default under 50M weights, and
+    # naming it keeps run_flags from adding the old LoRA settings' --no-full-finetune)
+    "dpo_full": ("dpo", ["--full-finetune"]),
+    "elbo_grpo_full": ("elbo_grpo", ["--full-finetune"]),
     # Flow-GRPO's recipe: rollouts (and evaluation) at CFG 4.5, KL 0.04 to the reference
     "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
     "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),
