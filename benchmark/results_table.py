@@ -43,7 +43,7 @@ ROWS = [
         "nft_full_lr1e-4",
         "convergence/testbed8/leg9b/nft_full_lr1e-4__s3",
     ),
-    ("tiny-shapes-8", "awm", "convergence/testbed8/leg10b", "awm_full_lr1e-4", None),
+    ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # --kl-beta 0.1
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
     ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
     ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
