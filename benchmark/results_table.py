@@ -29,6 +29,8 @@ ROWS = [
     ("tiny-shapes", "crd", "shapes_clean/rescore32", "crd", None),
     ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),
     ("tiny-shapes", "nft", "shapes_clean/rescore32", "nft", None),
+    ("tiny-shapes", "dpo", "convergence/dpo_elbo", "dpo_full", None),
+    ("tiny-shapes", "elbo_grpo", "convergence/dpo_elbo", "elbo_grpo_full", None),
     ("tiny-shapes", "crd", "convergence/rescore32", "crd_full_lr1e-4", "convergence/leg2/crd_full_lr1e-4__s1"),
     ("tiny-shapes", "nft", "convergence/rescore32", "nft_full_lr1e-4", "convergence/leg2/nft_full_lr1e-4__s1"),
     ("tiny-shapes", "dgpo", "convergence/rescore32", "dgpo_full_lr1e-4", "convergence/leg2/dgpo_full_lr1e-4__s1"),
