@@ -139,6 +139,10 @@ SETTINGS = {
     # term only when v drifts ~17 from v_ref (the ghuber gradient at the base's FM error); 10x and 100x (leg 12)
     "awm_full_kl0.1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1"]),
     "awm_full_kl1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "1.0"]),
+    # learning-2's long GRPO run toward the length its noise scale predicts (leg 11: every SDE step trained halves
+    # B_noise, ~48,000 images; cos 0.9 at ~4.3 B_noise ~ 206,000 images), at a learning rate 25x under the default so
+    # that the summed noise walk of ~6,500 steps stays below the one leg 10's 10,240-image run already drifted with
+    "grpo_long_sde8_lr2e-5": ("grpo", ["--num-sde-steps", "8", "--learning-rate", "2e-5"]),
     # with KL 0.1 the held-out exact fluctuates by +-0.05 between evaluations (a noise walk held by the KL): an EMA of
     # the weights (exported, as the papers evaluate) averages it (leg 12)
     "awm_full_kl0.1_ema0.99_lr1e-4": (
