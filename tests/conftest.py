@@ -40,80 +40,84 @@ def random_pipeline_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def flux_pipeline_dirs(tmp_path_factory):
-    """Two small random-weight FLUX pipelines built from configs, saved and reloadable offline: "dev" (guidance-distilled,
-    with a guidance embedding) and "schnell" (without). FLUX.1's scheduler (dynamic shift) and VAE scale/shift factors;
-    the CLIP tokenizer of the tiny-shapes recipe also stands in for T5's, which cannot be built offline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def tiny_flux_parts(words, guidance_embeds: bool, vae_size: int) -> dict:
+    """A small random-weight FLUX.1 pipeline's components, built from configs (seed 0): CLIP and T5 on the tiny-shapes
+    recipe's word tokenizer over `words` (it also stands in for T5's, which cannot be built offline), a transformer
+    with or without a guidance embedding, a VAE of factor 4 (`vae_size` pixels) with FLUX.1's scale/shift factors, and
+    FLUX.1's dynamically shifted scheduler. FLUX.1's and FLUX.1-Kontext's tiny builds (tests/tiny_families.py) share it."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from assets import build_tiny_shapes as recipe
 
-    tok = recipe.build_tokenizer(["a", "red", "blue", "circle", "square", "and"])
+    tok = recipe.build_tokenizer(list(words))
+    torch.manual_seed(0)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=recipe.MAX_TOKENS,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, num_heads=4, num_layers=1, d_ff=64))
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        sample_size=vae_size,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    return dict(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tok,
+        text_encoder_2=t5,
+        tokenizer_2=tok,
+        transformer=transformer,
+    )
+
+
+@pytest.fixture(scope="session")
+def flux_pipeline_dirs(tmp_path_factory):
+    """Two small random-weight FLUX pipelines (`tiny_flux_parts`), saved and reloadable offline: "dev"
+    (guidance-distilled, with a guidance embedding) and "schnell" (without)."""
+    from diffusers import FluxPipeline
+
     dirs = {}
     for variant in ("dev", "schnell"):
-        torch.manual_seed(0)
-        clip = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tok),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                max_position_embeddings=recipe.MAX_TOKENS,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-        )
-        t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, num_heads=4, num_layers=1, d_ff=64))
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=variant == "dev",
-            axes_dims_rope=(4, 6, 6),
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            sample_size=64,
-            down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 64),
-            layers_per_block=1,
-            norm_num_groups=8,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
-        pipe = FluxPipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=clip,
-            tokenizer=tok,
-            text_encoder_2=t5,
-            tokenizer_2=tok,
-            transformer=transformer,
-        )
+        parts = tiny_flux_parts(["a", "red", "blue", "circle", "square", "and"], variant == "dev", 64)
         dirs[variant] = tmp_path_factory.mktemp("pipe") / f"random-flux-{variant}"
-        pipe.save_pretrained(dirs[variant])
+        FluxPipeline(**parts).save_pretrained(dirs[variant])
     return {k: str(v) for k, v in dirs.items()}
 
 

@@ -784,69 +784,13 @@ def hunyuan_video(path):
 
 
 def flux_kontext(path, guidance_embeds: bool = True):
-    """FluxKontextPipeline: FLUX.1's parts as conftest's tiny FLUX.1 (CLIP and T5 on the tiny-shapes word tokenizer, a
-    VAE of factor 4 with FLUX.1's scale/shift factors, FLUX.1's dynamically shifted scheduler); `guidance_embeds` as
-    FLUX.1-Kontext-dev (guidance-distilled)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    """FluxKontextPipeline on conftest's tiny FLUX.1 parts (`tiny_flux_parts`: a VAE of 32 pixels here, the tokenizer
+    with the edit words too); `guidance_embeds` as FLUX.1-Kontext-dev (guidance-distilled)."""
+    from conftest import tiny_flux_parts
+    from diffusers import FluxKontextPipeline
 
-    from assets import build_tiny_shapes as recipe
-
-    tok = recipe.build_tokenizer(["a", "red", "blue", "circle", "square", "and", "make", "the", "remove", "add"])
-    torch.manual_seed(0)
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=recipe.MAX_TOKENS,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, num_heads=4, num_layers=1, d_ff=64))
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=guidance_embeds,
-        axes_dims_rope=(4, 6, 6),
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        sample_size=32,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 64),
-        layers_per_block=1,
-        norm_num_groups=8,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-    FluxKontextPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=clip,
-        tokenizer=tok,
-        text_encoder_2=t5,
-        tokenizer_2=tok,
-        transformer=transformer,
-    ).save_pretrained(path)
+    words = ["a", "red", "blue", "circle", "square", "and", "make", "the", "remove", "add"]
+    FluxKontextPipeline(**tiny_flux_parts(words, guidance_embeds, 32)).save_pretrained(path)
     return str(path)
 
 
