@@ -152,10 +152,16 @@ KERNELS = ("native", "avx2", "default")
 
 
 def kernel_environ(kernel: str) -> dict:
-    """os.environ for a process that runs torch's `kernel` kernels (see KERNELS)."""
+    """os.environ for a process that runs torch's `kernel` kernels (see KERNELS) on OMP_NUM_THREADS threads, 1 unless
+    set: what torchrun gives each rank. A process compared bit for bit with torchrun's ranks must run their thread
+    count: MKL's float32 matmul rounds differently on 1 and 2 threads for some row counts (measured on AMD, the tiny
+    transformer's timestep embedding: 5-7 and 9-11 rows differ, 1-4, 8 and 12 do not), and DPO's micro-batches have a
+    row count of their own (2 x the pairs in a group). So every process started with this environment runs the same
+    count, one process or a rank."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}, expected one of {KERNELS}")
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env if kernel == "native" else {**env, "ATEN_CPU_CAPABILITY": kernel}
 
 

@@ -135,7 +135,7 @@ def test_smoke_and_exact_resume(algo, reference, shared_prompts, tmp_path):
     (b_dir,) = (tmp_path / "b").iterdir()
     args_before = (b_dir / "args.json").read_bytes()
     # only the resume path and the new length: the run's other flags come from the checkpoint
-    run_script([f"algos/{algo}.py", "--resume", b_dir, "--num-epochs", "3"])
+    run_script([f"algos/{algo}.py", "--resume", b_dir, "--num-epochs", "3"], env=kernel_environ("native"))
     assert_same_state(a, load_checkpoint(b_dir), algo)
     assert (b_dir / "args.json").read_bytes() == args_before  # the run's record is appended to, never rewritten
     (record,) = [json.loads(line) for line in (b_dir / "resumes.jsonl").read_text().splitlines()]
@@ -164,7 +164,9 @@ def test_killed_or_interrupted_runs_resume_exactly(reference, shared_prompts, tm
     algo = "crd"
     a = load_checkpoint(reference(algo).dir)
     for name, sig in (("kill", signal.SIGKILL), ("int", signal.SIGINT)):
-        proc = start_script(script_argv(algo, shared_prompts, tmp_path / name, "--num-epochs", EPOCHS))
+        proc = start_script(
+            script_argv(algo, shared_prompts, tmp_path / name, "--num-epochs", EPOCHS), env=kernel_environ("native")
+        )
         try:
             run_dir = _wait_for_checkpoint(proc, tmp_path / name, 1)
             proc.send_signal(sig)
@@ -175,7 +177,7 @@ def test_killed_or_interrupted_runs_resume_exactly(reference, shared_prompts, tm
             assert proc.returncode == 0 and "continue with --resume" in stdout
         assert load_checkpoint(run_dir)["epoch"] < EPOCHS
         (run_dir / "checkpoints" / ".tmp-epoch_000009.123").mkdir()  # what a kill in the middle of a save leaves
-        run_script([f"algos/{algo}.py", "--resume", run_dir])
+        run_script([f"algos/{algo}.py", "--resume", run_dir], env=kernel_environ("native"))
         assert not list((run_dir / "checkpoints").glob(".tmp-*"))
         assert_same_state(a, load_checkpoint(run_dir), name)
 

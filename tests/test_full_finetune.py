@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ode_sample, run_in_process, run_script
+from conftest import kernel_environ, ode_sample, run_in_process, run_script
 from safetensors.torch import load_file
 from test_algos import FLAGS, assert_same_state, script_argv, write_prompts
 
@@ -38,7 +38,7 @@ def full_run(tmp_path_factory, prompt_dir):
     def get(algo):
         if algo not in runs:
             out = tmp_path_factory.mktemp(f"full-{algo}")
-            run_script(script_argv(algo, prompt_dir, out, *FULL, "--num-epochs", "2"))
+            run_script(script_argv(algo, prompt_dir, out, *FULL, "--num-epochs", "2"), env=kernel_environ("native"))
             (runs[algo],) = out.iterdir()
         return runs[algo]
 
@@ -136,9 +136,9 @@ def test_a_bf16_base_trains_fp32_master_weights_and_keeps_its_bf16_reference():
 def test_resume_is_bit_exact(full_run, prompt_dir, tmp_path):
     """CRD (an old and a sampling snapshot, both of every weight): 1 epoch + --resume for one more ends bit-identical to
     the uninterrupted 2-epoch run: weights, both snapshots, AdamW's moments."""
-    run_script(script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "1"))
+    run_script(script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "1"), env=kernel_environ("native"))
     (b_dir,) = tmp_path.iterdir()
-    run_script(["algos/crd.py", "--resume", b_dir, "--num-epochs", "2"])
+    run_script(["algos/crd.py", "--resume", b_dir, "--num-epochs", "2"], env=kernel_environ("native"))
     a, b = checkpoints.load_checkpoint(full_run("crd")), checkpoints.load_checkpoint(b_dir)
     assert set(a["snapshots"]) == {"old", "sampling"} and len(a["snapshots"]["old"]) == len(a["params"])
     assert_same_state(a, b, "crd")
@@ -217,7 +217,7 @@ def test_two_ranks_match_one_process(full_run, prompt_dir, tmp_path):
     """CRD with --full-finetune on 2 gloo ranks ends bit-identical to one process (tests/test_algos.py's LoRA test, here
     with every weight's gradient all-reduced)."""
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run_script([*argv, *script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "2")])
+    run_script([*argv, *script_argv("crd", prompt_dir, tmp_path, *FULL, "--num-epochs", "2")], env=kernel_environ("native"))
     (two_dir,) = tmp_path.iterdir()
     assert_same_state(checkpoints.load_checkpoint(full_run("crd")), checkpoints.load_checkpoint(two_dir), "crd")
 
