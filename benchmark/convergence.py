@@ -149,6 +149,13 @@ SETTINGS = {
         "awm",
         ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1", "--eval-ema-decay", "0.99"],
     ),
+    # issue algorithms-2's GRPO variants, each one flag on GRPO's defaults (docs/grpo.md item 11), with the value its
+    # paper or code uses: MixGRPO's sliding window, TempFlow-GRPO's noise weight, Flow-DPPO's KL mask, Pref-GRPO's
+    # win rate
+    "grpo_mixgrpo": ("grpo", ["--window-mode", "sliding", "--window-shift", "25", "1"]),
+    "grpo_tempflow": ("grpo", ["--noise-weight", "2.25"]),
+    "grpo_flow_dppo": ("grpo", ["--kl-mask", "1e-5"]),
+    "grpo_pref": ("grpo", ["--win-rate-reward"]),
 }
 # settings that run an algorithm file through a wrapper script instead of directly
 SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "studies" / "shuffled_advantages.py"}

@@ -52,6 +52,8 @@ ROWS = [
     ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
     ("tiny-text (OCR)", "awm", "convergence/ocr/leg6", "awm", None),
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
+    ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
+    ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full", None),
 ]
 HEADER = [
     "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img |",
