@@ -120,14 +120,14 @@ def resume_hint(args) -> str:
 
 class GracefulStop:
     """First Ctrl-C (or SIGTERM): finish the current epoch, checkpoint and exit cleanly (exit code 0 after Ctrl-C,
-    143 after SIGTERM, at `exit()`); a second Ctrl-C aborts."""
+    143 after SIGTERM, at `exit()`); a second Ctrl-C aborts. `exit()` gives back the handlers it replaced, so a
+    `main(args)` called from Python (a notebook, a sweep) leaves Ctrl-C and SIGTERM as it found them."""
 
     def __init__(self):
         import signal
 
         self.requested, self.signal = False, None
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -141,6 +141,8 @@ class GracefulStop:
         finished."""
         import signal
 
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
         if self.signal == signal.SIGTERM:
             sys.exit(128 + signal.SIGTERM)
 

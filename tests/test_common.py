@@ -866,3 +866,30 @@ def test_all_reduce_grads_is_the_identity_on_one_process():
     p.grad = torch.tensor([1.0, -2.0, 3.0])
     distributed.all_reduce_grads([p, q])  # q has no gradient: left alone
     assert p.grad.tolist() == [1.0, -2.0, 3.0] and q.grad is None
+
+
+def test_graceful_stop_gives_back_the_signal_handlers_it_replaced():
+    """A run's GracefulStop takes SIGINT and SIGTERM (a first Ctrl-C finishes the epoch) and its `exit()`, the scripts'
+    last line, puts back what was there: `main(args)` called from Python leaves Ctrl-C working. A SIGTERM still ends
+    in exit code 143."""
+    import signal
+
+    import run
+
+    def mine(signum, frame):
+        pass
+
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = run.GracefulStop()
+        assert signal.getsignal(signal.SIGINT) == stop._handle and signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.exit()
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        stop = run.GracefulStop()
+        stop._handle(signal.SIGTERM, None)  # a scheduler's SIGTERM: the epoch finishes, then exit() says 143
+        with pytest.raises(SystemExit) as e:
+            stop.exit()
+        assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
