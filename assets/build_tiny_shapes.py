@@ -78,9 +78,11 @@ def build_text_encoder(tok, seed):
     return CLIPTextModelWithProjection(cfg)
 
 
-def build_vae(seed):
+def build_vae(seed, **overrides):
+    """The tiny autoencoder (64 px -> 16 x 16 x 4); `overrides` replace config values (the tests' FLUX.1 build sets
+    FLUX.1's scaling and shift factors)."""
     torch.manual_seed(seed)
-    return AutoencoderKL(
+    config = dict(
         in_channels=3,
         out_channels=3,
         latent_channels=4,
@@ -95,6 +97,7 @@ def build_vae(seed):
         scaling_factor=1.0,
         shift_factor=0.0,
     )
+    return AutoencoderKL(**{**config, **overrides})
 
 
 def build_transformer(seed, layers):

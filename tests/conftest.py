@@ -45,7 +45,7 @@ def tiny_flux_parts(words, guidance_embeds: bool, vae_size: int) -> dict:
     recipe's word tokenizer over `words` (it also stands in for T5's, which cannot be built offline), a transformer
     with or without a guidance embedding, a VAE of factor 4 (`vae_size` pixels) with FLUX.1's scale/shift factors, and
     FLUX.1's dynamically shifted scheduler. FLUX.1's and FLUX.1-Kontext's tiny builds (tests/tiny_families.py) share it."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from assets import build_tiny_shapes as recipe
@@ -78,21 +78,7 @@ def tiny_flux_parts(words, guidance_embeds: bool, vae_size: int) -> dict:
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(4, 6, 6),
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        sample_size=vae_size,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 64),
-        layers_per_block=1,
-        norm_num_groups=8,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    vae = recipe.build_vae(0, sample_size=vae_size, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's factors
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
