@@ -32,11 +32,14 @@ Time, measured on 2 CPU cores shared with other jobs (bf16 autocast): the flow s
 ~2.7 h for the default 6,000 steps; rendering and encoding the 20,000 pairs ~6 min; the VAE stage (1,500 steps of
 batch 32) ~30 min as for tiny-shapes, or nothing with --vae-from assets/tiny-shapes (the same world's renders). About
 3 h in all. The log prints the flow stage's estimate after its first 10 steps, and progress every 200. A build is
-deterministic for a given thread count and autocast setting.
+deterministic for a given thread count and autocast setting. The flow stage saves its state to `<out>.checkpoint.pt`
+every 250 steps (`--checkpoint-every`); the same command run again resumes from it and ends with the same weights as
+an unbroken build (so the build can span sessions); the file is deleted when the pipeline is saved.
 """
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +69,9 @@ HEAD_DIM = 32  # attention head width; FLUX splits it over its three rotary axes
 ROPE_AXES = (8, 12, 12)
 BASE_SHIFT = math.log(2.0)  # mu at 64 image tokens (our 64x64 images): the time shift of tiny-shapes (2.0)
 CAPTION_DROPOUT = 0.1
+# the flags that change the weights a build ends with: a checkpoint resumes only a build with the same ones
+BUILD_FLAGS = ("num_pairs", "vae_steps", "vae_from", "flow_steps", "layers", "single_layers", "heads", "batch", "lr")
+BUILD_FLAGS += ("threads", "autocast")
 
 
 def build_text_encoders(tok, seed):
@@ -150,10 +156,26 @@ def text_embeddings(pipe, ids):
     return pipe.text_encoder_2(ids)[0], pipe.text_encoder(ids).pooler_output
 
 
-def train_flow(pipe, sources, targets, instruction_idx, instructions, steps, batch, lr, log, autocast=True):
+def train_flow(
+    pipe,
+    sources,
+    targets,
+    instruction_idx,
+    instructions,
+    steps,
+    batch,
+    lr,
+    log,
+    autocast=True,
+    checkpoint=None,
+    every=0,
+    config=None,
+):
     """Rectified flow on the edited latents given the source latents: x_t = (1 - s) x0 + s eps, target eps - x0,
     s ~ logit-normal(0, 1). The noisy and the reference tokens go through the transformer together (Kontext's
-    sequence concatenation); the loss reads the noisy tokens' outputs only, as the pipeline keeps only those."""
+    sequence concatenation); the loss reads the noisy tokens' outputs only, as the pipeline keeps only those.
+    With `checkpoint` (a file path) the stage saves its whole state there every `every` steps and starts from it when
+    it exists, so that a stopped build goes on where it stopped and ends with the same weights."""
     tok = pipe.tokenizer
     ids = tok(instructions, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
@@ -166,8 +188,20 @@ def train_flow(pipe, sources, targets, instruction_idx, instructions, steps, bat
     empty = instructions.index("")
     h, w = sources.shape[-2:]
     img_ids, tokens = kontext_ids(h, w), (h // 2) * (w // 2)
+    start = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, weights_only=True)  # tensors only: a crafted file cannot run code
+        for m, sd in zip(modules, state["modules"]):
+            m.load_state_dict(sd)
+        opt.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for e, saved in zip(ema, state["ema"], strict=True):
+                e.copy_(saved)
+        gen.set_state(state["generator"])
+        start = int(state["step"])
+        log(f"flow: resumed from {checkpoint} at step {start}/{steps}")
     t0 = time.time()
-    for step in range(steps):
+    for step in range(start, steps):
         for g in opt.param_groups:
             g["lr"] = recipe.lr_at(step, steps, lr)
         idx = torch.randint(len(targets), (batch,), generator=gen)
@@ -203,9 +237,20 @@ def train_flow(pipe, sources, targets, instruction_idx, instructions, steps, bat
         with torch.no_grad():
             for e, p in zip(ema, params):
                 e.lerp_(p.detach(), 1 - decay)
-        if step == min(10, steps - 1):  # the first steps' mean (warm-up included): the stage's time estimate
-            per_step = (time.time() - t0) / (step + 1)
-            log(f"flow: {per_step:.1f}s per step, ~{per_step * steps / 60:.0f} min for the {steps} steps")
+        if checkpoint is not None and every and (step + 1) % every == 0 and step + 1 < steps:
+            state = {
+                "step": step + 1,
+                "modules": [m.state_dict() for m in modules],
+                "optimizer": opt.state_dict(),
+                "ema": ema,
+                "generator": gen.get_state(),
+                "config": config,
+            }
+            torch.save(state, f"{checkpoint}.tmp")
+            os.replace(f"{checkpoint}.tmp", checkpoint)  # a kill mid-save leaves the previous checkpoint whole
+        if step == min(start + 10, steps - 1):  # the first steps' mean (warm-up included): the stage's time estimate
+            per_step = (time.time() - t0) / (step + 1 - start)
+            log(f"flow: {per_step:.1f}s per step, ~{per_step * (steps - start) / 60:.0f} min for steps {start}-{steps}")
         if step % 200 == 0 or step == steps - 1:
             log(
                 f"flow step {step}/{steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} ({time.time() - t0:.0f}s)"
@@ -260,11 +305,17 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="fixed thread count keeps the CPU run deterministic")
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast of the forwards")
     ap.add_argument("--eval-steps", type=int, default=16, help="sampling steps of the closing evaluation (0: none)")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=250,
+        help="flow steps between saves of <out>.checkpoint.pt, from which a rerun of the same command resumes (0: none)",
+    )
     args = ap.parse_args(argv)
     for name in ("num_pairs", "layers", "single_layers", "heads", "batch", "threads"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
-    for name in ("vae_steps", "flow_steps", "eval_steps"):
+    for name in ("vae_steps", "flow_steps", "eval_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -291,6 +342,20 @@ def main(args):
 
     def log(msg):
         print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)
+
+    # a stopped build resumes its flow stage from here, but only into the same build (same weights at the end)
+    checkpoint = f"{args.out}.checkpoint.pt"
+    config = {k: getattr(args, k) for k in BUILD_FLAGS}
+    if Path(checkpoint).exists():
+        try:
+            saved = torch.load(checkpoint, weights_only=True)["config"]
+        except Exception as e:  # truncated, foreign or crafted: say so before the long data stage
+            raise UserError(f"{checkpoint}: not a readable build checkpoint ({type(e).__name__}); delete it to start over")
+        if saved != config:
+            diff = ", ".join(
+                f"--{k.replace('_', '-')} {saved.get(k)} (now {v})" for k, v in config.items() if saved.get(k) != v
+            )
+            raise UserError(f"{checkpoint} is from another build ({diff}); rerun with its flags or delete it")
 
     # (1) data: rendered (source, edited) pairs, no held-out edit among them
     pairs = edit_world.make_dataset(args.num_pairs, seed=0)
@@ -345,8 +410,12 @@ def main(args):
         args.lr,
         log,
         args.autocast,
+        checkpoint,
+        args.checkpoint_every,
+        config,
     )
     pipe.save_pretrained(args.out, safe_serialization=True)
+    Path(checkpoint).unlink(missing_ok=True)
     log(f"saved {args.out}")
 
     # (5) the base, sampled by the stock pipeline: held-out instructions, and as many seen ones

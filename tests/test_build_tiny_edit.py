@@ -150,3 +150,45 @@ def test_bad_flags_fail_in_one_line(tmp_path, flags, message):
     assert result.returncode == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not out.exists()
+
+
+def test_a_stopped_flow_stage_resumes_to_the_same_weights(random_pipe, tmp_path):
+    """The flow stage saves its whole state (weights, optimizer, EMA, sampling generator) every `every` steps; a stage
+    started again from that file ends with the weights of the stage that was never stopped."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    sources, targets = torch.randn(8, 4, 8, 8, generator=gen), torch.randn(8, 4, 8, 8, generator=gen)
+    instructions = ["make the circle red", "remove the square", ""]
+    instruction_idx = torch.tensor([0, 1] * 4)
+    checkpoint = tmp_path / "flow.checkpoint.pt"
+
+    def stage(pipe, log=lambda msg: None):
+        recipe.train_flow(
+            pipe, sources, targets, instruction_idx, instructions, 4, 4, 1e-3, log, False, checkpoint, 2, {"x": 1}
+        )
+        return [p.detach().clone() for m in (pipe.transformer, pipe.text_encoder_2) for p in m.parameters()]
+
+    whole = stage(copy.deepcopy(random_pipe))  # leaves its step-2 state in `checkpoint` (the last save is at 2 of 4)
+    assert torch.load(checkpoint, weights_only=True)["step"] == 2
+    logs = []
+    resumed = stage(copy.deepcopy(random_pipe), logs.append)  # a fresh pipeline: everything must come from the file
+    assert any("resumed" in line and "step 2/4" in line for line in logs)
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+
+
+@pytest.mark.parametrize("content", ["garbage", "other"])
+def test_a_bad_checkpoint_fails_in_one_line(tmp_path, content):
+    out = tmp_path / "out"
+    checkpoint = tmp_path / "out.checkpoint.pt"
+    if content == "garbage":
+        checkpoint.write_text("not a checkpoint")
+        message = "not a readable build checkpoint"
+    else:  # a checkpoint of a build with another learning rate
+        flags = recipe.parse_args(["--out", str(out), "--lr", "0.5"])
+        torch.save({"config": {k: getattr(flags, k) for k in recipe.BUILD_FLAGS}}, checkpoint)
+        message = "is from another build (--lr 0.5 (now 0.001))"
+    result = run_script([SCRIPT, "--out", out], check=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists() and checkpoint.exists()
