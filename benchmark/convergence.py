@@ -84,6 +84,7 @@ SETTINGS = {
     # naming it keeps run_flags from adding the old LoRA settings' --no-full-finetune)
     "dpo_full": ("dpo", ["--full-finetune"]),
     "elbo_grpo_full": ("elbo_grpo", ["--full-finetune"]),
+    "elbo_grpo_full_lr3e-5": ("elbo_grpo", ["--full-finetune", "--learning-rate", "3e-5"]),
     # Flow-GRPO's recipe: rollouts (and evaluation) at CFG 4.5, KL 0.04 to the reference
     "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
     "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),
@@ -212,6 +213,18 @@ TASKS = {
         "metrics": ocr_metrics,
         "tags": {"exact": "ocr_strict", "score": "ocr"},
         "results": OCR_RESULTS,
+    },
+    # tiny-edit (FLUX.1-Kontext style): training only; benchmark/edit.py scores the exports with the stock edit pipeline
+    "edit": {
+        "model": str(REPO / "assets" / "tiny-edit"),
+        "train": str(REPO / "assets" / "edit" / "train.jsonl"),
+        "test": str(REPO / "assets" / "edit" / "test.jsonl"),
+        "unseen": None,
+        "flags": ["--reward", "edit"],
+        "eval_noises": "4",
+        "metrics": None,
+        "tags": {"exact": "edit_exact", "asked": "edit_asked", "rest": "rest_unchanged", "extra": "objects_extra"},
+        "results": RESULTS.parent / "edit",
     },
 }
 
@@ -696,8 +709,8 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     every = ["--eval-every", str(eval_every), "--save-every", str(eval_every)]
     protocol = ["--eval-noises", task["eval_noises"], "--keep-checkpoints", "2"]
     # the shapes LoRA settings ran when a LoRA was every file's default; they still train one (the OCR runs are at
-    # the files' defaults of today)
-    lora = [] if "--full-finetune" in flags or algo == "grpo" or task is TASKS["ocr"] else ["--no-full-finetune"]
+    # the files' defaults of today, as are the edit runs)
+    lora = [] if "--full-finetune" in flags or algo == "grpo" or task is not TASKS["shapes"] else ["--no-full-finetune"]
     cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
     cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
     # the files' defaults are absolute paths (so that they run from any folder): pass the task's own, relative
@@ -793,7 +806,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=40, help="train: epochs between evaluations (and saves)")
     ap.add_argument("--devices", default="cpu", help="train: comma list cycled over the runs, e.g. cpu,cuda")
     ap.add_argument("--stop-after", type=float, default=0, help="train: seconds, then every run checkpoints and stops")
-    ap.add_argument("--task", choices=list(TASKS), default="shapes", help="tiny-shapes (exact) or tiny-text (OCR)")
+    ap.add_argument("--task", choices=list(TASKS), default="shapes", help="tiny-shapes, tiny-text (OCR) or tiny-edit")
     ap.add_argument("--model", default=None, help="default: the task's tiny model")
     ap.add_argument("--results", type=Path, default=None, help="default: the task's results folder")
     ap.add_argument("--noises", type=int, default=NOISES, help="final: noises per prompt (noise n: seed 1000 n)")
@@ -824,6 +837,8 @@ def main():
     if args.command not in ("table", "categories") and not (Path(args.model) / "model_index.json").is_file():
         ap.error(f"--model {args.model}: not a pipeline folder (no model_index.json)")
     args.results = args.results or args.task["results"]
+    if args.task["metrics"] is None and args.command not in ("train", "extract"):
+        ap.error(f"{args.command} --task edit: score edit runs with benchmark/edit.py")
     if "unseen" in args.sets and not args.task["unseen"]:
         ap.error("--sets unseen: the unseen colour-attribution prompts are tiny-shapes prompts (not --task ocr)")
     sets = prompt_sets(args.task["train"], args.task["test"], args.task["unseen"])

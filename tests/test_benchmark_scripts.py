@@ -403,7 +403,7 @@ def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
 def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     """`convergence.py train --task ocr`: the algorithm's own defaults (every weight, or GRPO's LoRA) on tiny-text
     with the OCR reward and the text prompt files, evaluated on 4 noises; the shapes task keeps its 8 noises and
-    the LoRA its old settings trained."""
+    the LoRA its old settings trained; `--task edit` is the file defaults on tiny-edit as OCR's are."""
     from benchmark.convergence import TASKS, run_flags
 
     mod = importlib.import_module(f"algos.{algo}")
@@ -425,6 +425,9 @@ def test_ocr_task_runs_the_file_defaults_on_tiny_text(tmp_path, algo):
     assert shapes.full_finetune is False
     other = tyro.cli(mod.Args, args=run_flags(TASKS["shapes"], algo, 1, 100, 20, tmp_path, str(tmp_path / "tiny-8l")))
     assert other.model == str(tmp_path / "tiny-8l") and other.reward == default.reward  # another shapes testbed
+    edit = tyro.cli(mod.Args, args=run_flags(TASKS["edit"], algo, 1, 100, 20, tmp_path))
+    assert (edit.model, edit.reward, edit.train_prompts) == ("assets/tiny-edit", "edit", "assets/edit/train.jsonl")
+    assert (edit.full_finetune, edit.learning_rate, edit.eval_noises) == (default.full_finetune, default.learning_rate, 4)
 
 
 def test_categories_table_gives_each_kinds_exact_for_the_base_and_the_seeds_mean_export():

@@ -192,3 +192,35 @@ def test_a_bad_checkpoint_fails_in_one_line(tmp_path, content):
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not out.exists() and checkpoint.exists()
+
+
+def test_edit_benchmark_pairs_every_export_with_the_base_on_the_same_noises(tiny_build, tmp_path):
+    """benchmark/edit.py score / table / grid on the tiny build: an export that is the base's own transformer scores
+    the base's numbers exactly (same noises, steps and CFG through the stock pipeline), so its paired gains are 0."""
+    import json
+    import shutil
+
+    from PIL import Image
+
+    out, _ = tiny_build
+    run = tmp_path / "runs" / "same"
+    shutil.copytree(out / "transformer", run / "transformer")
+    (run / "args.json").write_text(json.dumps({"exp_name": "same", "seed": 1, "num_steps": 2, "guidance_scale": 1.0}))
+    results = tmp_path / "results"
+    flags = ["--model", out, "--results", results, "--noises", "2"]
+    run_script(["benchmark/edit.py", "score", run, *flags])
+    (base1, base2) = [json.loads(line) for line in (results / "base.jsonl").read_text().splitlines()]
+    (final,) = [json.loads(line) for line in (results / "final.jsonl").read_text().splitlines()]
+    assert (base1["cfg"], base2["cfg"], final["steps"]) == (1.0, 2.5, 2)
+    for k in ("edit_exact", "edit_asked", "rest_unchanged", "objects_extra", "edit"):
+        assert final[k] == base1[k], k
+    assert final["exact_gain_per_prompt"] == [0.0] * 28 and len(final["vs_base_cfg"]["2.5"]) == 28
+    table = run_script(["benchmark/edit.py", "table", *flags]).stdout
+    assert "| same | 1 | 0 |" in table and "+0.000 ± 0.000" in table
+    run_script(["benchmark/edit.py", "grid", run, *flags, "--out", tmp_path / "grid.png", "--every", "14"])
+    assert Image.open(tmp_path / "grid.png").size == (3 * (128 + 4) + 4, 14 + 2 * (128 + 14 + 4) + 4)
+
+
+def test_edit_benchmark_bad_inputs_are_one_line(tmp_path):
+    result = run_script(["benchmark/edit.py", "score", tmp_path], check=False)
+    assert result.returncode == 2 and "not a run folder (no args.json)" in result.stderr.strip().splitlines()[-1]
