@@ -85,6 +85,7 @@ SETTINGS = {
     "dpo_full": ("dpo", ["--full-finetune"]),
     "elbo_grpo_full": ("elbo_grpo", ["--full-finetune"]),
     "elbo_grpo_full_lr3e-5": ("elbo_grpo", ["--full-finetune", "--learning-rate", "3e-5"]),
+    "elbo_grpo_full_kl0.1": ("elbo_grpo", ["--full-finetune", "--kl-beta", "0.1"]),
     # Flow-GRPO's recipe: rollouts (and evaluation) at CFG 4.5, KL 0.04 to the reference
     "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
     "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),

@@ -5,16 +5,18 @@
         --epochs 60 --eval-every 20 --jobs 2                       # train (or resume) the runs, into $R/runs
     python benchmark/edit.py score $R/runs/*                       # base (once) and each export -> $R/final.jsonl
     python benchmark/edit.py table                                 # the markdown table from $R/final.jsonl
-    python benchmark/edit.py grid $R/runs/*__s1__* --out $R/grid.png   # input | instruction | base | each export
+    python benchmark/edit.py grid $R/runs/*__1__* --out $R/grid.png     # input | instruction | base | each export
 
 `score` loads each export as a user would (runs/<run>/transformer after a full fine-tune, or runs/<run>/lora) into
 `FluxKontextPipeline.from_pretrained(assets/tiny-edit)` and calls the pipeline itself (not our sampler) on the 28
 held-out instructions of `assets/edit/test.jsonl`, each with its own source image, `--noises` noises each (noise n is
-the generator seed 1000 n for the whole batch, the same for every model: every number is paired with the base), at
-the run's own evaluation steps and CFG (`true_cfg_scale`, negative prompt ""). The base is scored at CFG 1 and at
-`--base-cfg`. Metrics are the edit reward's (`rewards/edit.py`) read against the source scene of the prompt file:
-edit_exact (the asked change, every other object kept, nothing else: no reward can fake it), edit_asked,
-rest_unchanged, objects_extra, and the reward itself, edit.
+the generator seed 1000 n for the whole batch, the same for every model), at the run's own evaluation steps and CFG
+(`true_cfg_scale`, negative prompt ""). The base is scored at CFG 1 and at `--base-cfg` (4.5, as on the other
+testbeds), and each export's exact edit is paired with both per instruction. Metrics are the edit reward's
+(`rewards/edit.py`) against the prompt file's source scene: edit_exact (the asked change, every other object kept,
+nothing else: no reward can fake it), edit_asked, rest_unchanged, objects_extra, and the reward itself, edit. The
+rows use convergence.py's final.jsonl names (exact, extra, exact_gain_cfg*_per_prompt), so that
+`benchmark/results_table.py` reads them as it reads the other testbeds'.
 """
 
 import argparse
@@ -56,6 +58,7 @@ def load(model: Path, run: Path = None):
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     from diffusers import FluxKontextPipeline
+
     pipe = FluxKontextPipeline.from_pretrained(str(model))
     if run is not None and (run / "transformer").is_dir():
         pipe.transformer = type(pipe.transformer).from_pretrained(str(run / "transformer"))
@@ -96,74 +99,73 @@ def score(pipe, test: tuple, noises: int, steps: int, cfg: float) -> dict:
     return {k: np.stack(v) for k, v in out.items()}
 
 
-def row_of(m: dict, base: dict = None) -> dict:
-    """Means, and with `base` (the same noises) the per-prompt paired gain in edit_exact."""
-    row = {k: round(float(v.mean()), 4) for k, v in m.items()}
-    if base is not None:
-        row["exact_gain_per_prompt"] = (m["edit_exact"] - base["edit_exact"]).mean(0).round(6).tolist()
-    return row
+def row_of(m: dict) -> dict:
+    """The means, under convergence.py's names where it has one (exact, extra) so that benchmark/results_table.py reads
+    these rows as it reads the other testbeds'."""
+    row = {"set": "test", "exact": float(m["edit_exact"].mean()), "extra": float(m["objects_extra"].mean())}
+    row.update({k: float(m[k].mean()) for k in ("edit_asked", "rest_unchanged", "edit")})
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def run_settings(run: Path) -> dict:
     a = json.loads((run / "args.json").read_text())
     cfg = a.get("eval_guidance_scale") or a.get("guidance_scale") or 1.0
-    return {"setting": a["exp_name"], "seed": a["seed"], "steps": a.get("eval_num_steps") or a["num_steps"], "cfg": cfg}
+    steps = a.get("eval_num_steps") or a["num_steps"]
+    return {"setting": a["exp_name"], "seed": a["seed"], "steps": steps, "guidance_scale": float(cfg)}
 
 
 def cmd_score(args):
     test = test_set(args.prompts)
-    finals = read_jsonl(args.results / "final.jsonl")
-    done = {(r["run"], r["noises"]) for r in finals}
+    done = {(r["run"], r["noises"]) for r in read_jsonl(args.results / "final.jsonl")}
     bases = {}
     for run in args.runs:
         s = run_settings(run)
         if (run.name, args.noises) in done:
             continue
-        for cfg in sorted({1.0, args.base_cfg, s["cfg"]}):
+        for cfg in (1.0, args.base_cfg):
             key = (s["steps"], cfg)
-            if key not in bases:  # the base on the same noises, steps and CFG (once per results folder and key)
+            if key not in bases:  # the base on the same noises and steps (once per results folder and key)
                 bases[key] = score(load(args.model), test, args.noises, *key)
-                old = [r for r in read_jsonl(args.results / "base.jsonl") if r.get("noises") == args.noises]
-                if not any(r["steps"] == key[0] and r["cfg"] == cfg for r in old):
-                    row = {"model": "base", "steps": key[0], "cfg": cfg, "noises": args.noises, **row_of(bases[key])}
-                    append(args.results / "base.jsonl", row)
-        m = score(load(args.model, run), test, args.noises, s["steps"], s["cfg"])
+                old = read_jsonl(args.results / "base.jsonl")
+                if not any((r["noises"], r["steps"], r["guidance_scale"]) == (args.noises, *key) for r in old):
+                    row = {"model": "base", "steps": key[0], "guidance_scale": cfg, "noises": args.noises}
+                    append(args.results / "base.jsonl", {**row, **row_of(bases[key])})
+        m = score(load(args.model, run), test, args.noises, s["steps"], s["guidance_scale"])
         row = {"run": run.name, **s, "images": images_trained(run) or images_in_card(run), "noises": args.noises}
-        row.update(row_of(m, bases[(s["steps"], 1.0)]))
-        row["vs_base_cfg"] = {str(c): row_of(m, bases[(s["steps"], c)])["exact_gain_per_prompt"] for c in (1.0, args.base_cfg)}
+        row.update(row_of(m))
+        for cfg in (1.0, args.base_cfg):  # paired: the same instruction, source image and noise
+            gain = (m["edit_exact"] - bases[(s["steps"], cfg)]["edit_exact"]).mean(0)
+            row[f"exact_gain_cfg{cfg:g}_per_prompt"] = gain.round(6).tolist()
         append(args.results / "final.jsonl", row)
-        print(json.dumps({k: v for k, v in row.items() if "per_prompt" not in k and k != "vs_base_cfg"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if "per_prompt" not in k}), flush=True)
 
 
 def cmd_table(args):
     finals = [r for r in read_jsonl(args.results / "final.jsonl") if r["noises"] == args.noises]
-    base = {r["cfg"]: r for r in read_jsonl(args.results / "base.jsonl") if r["noises"] == args.noises}
-    if not base:
-        raise SystemExit(f"edit.py: error: no base rows with --noises {args.noises} in {args.results / 'base.jsonl'}")
-    n = len(next(iter(finals), {}).get("exact_gain_per_prompt", [])) or "?"
+    base = [r for r in read_jsonl(args.results / "base.jsonl") if r["noises"] == args.noises]
+    if not base or not finals:
+        raise SystemExit(f"edit.py: error: no rows with --noises {args.noises} in {args.results}")
+    tags = [f"cfg{c:g}" for c in sorted({1.0, args.base_cfg})]
     lines = [
-        f"| model | seeds | images trained | held-out exact edit ({n} instructions x {args.noises} noises) | vs base CFG 1 "
-        f"| vs base CFG {args.base_cfg:g} | asked edit made | rest unchanged | extra objects/img |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| model | seeds | images trained | held-out exact edit ({len(finals[0][f'exact_gain_{tags[0]}_per_prompt'])} "
+        f"instructions x {args.noises} noises) | "
+        + " | ".join(f"vs base CFG {t[3:]}" for t in tags)
+        + " | asked edit made | rest unchanged | extra objects/img |",
+        "|---|---|---|---|" + "---|" * len(tags) + "---|---|---|",
     ]
-    for cfg in sorted(base):
-        b = base[cfg]
+    for b in base:
         lines.append(
-            f"| base, CFG {cfg:g} | - | 0 | {b['edit_exact']:.3f} | | | {b['edit_asked']:.3f} | {b['rest_unchanged']:.3f} "
-            f"| {b['objects_extra']:.2f} |"
+            f"| base, CFG {b['guidance_scale']:g}, {b['steps']} steps | - | 0 | {b['exact']:.3f} | "
+            + "| " * len(tags)
+            + f"{b['edit_asked']:.3f} | {b['rest_unchanged']:.3f} | {b['extra']:.2f} |"
         )
     for setting in dict.fromkeys(r["setting"] for r in finals):
         rows = [r for r in finals if r["setting"] == setting]
-        gains = {c: np.mean([r["vs_base_cfg"][c] for r in rows], axis=0) for c in ("1.0", str(float(args.base_cfg)))}
-        cells = [
-            setting,
-            str(len(rows)),
-            f"{int(np.mean([r['images'] for r in rows])):,}",
-            mean_se([r["edit_exact"] for r in rows]),
-            *(f"{g.mean():+.3f} ± {g.std(ddof=1) / np.sqrt(len(g)):.3f}" for g in gains.values()),
-            f"{np.mean([r['edit_asked'] for r in rows]):.3f}",
-            f"{np.mean([r['rest_unchanged'] for r in rows]):.3f}",
-            f"{np.mean([r['objects_extra'] for r in rows]):.2f}",
+        gains = [np.mean([r[f"exact_gain_{t}_per_prompt"] for r in rows], axis=0) for t in tags]
+        cells = [setting, str(len(rows)), "/".join(sorted({f"{r['images']:,}" for r in rows}))]
+        cells += [f"{np.mean([r['exact'] for r in rows]):.3f}", *(mean_se(g) for g in gains)]
+        cells += [
+            f"{np.mean([r[k] for r in rows]):.{n}f}" for k, n in (("edit_asked", 3), ("rest_unchanged", 3), ("extra", 2))
         ]
         lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
@@ -178,7 +180,7 @@ def cmd_grid(args):
     columns = [("input", [np.asarray(im) for im in images])]
     settings = [run_settings(r) for r in args.runs]
     models = [("base", None, settings[0]["steps"] if settings else 16, 1.0)]
-    models += [(s["setting"], r, s["steps"], s["cfg"]) for s, r in zip(settings, args.runs)]
+    models += [(s["setting"], r, s["steps"], s["guidance_scale"]) for s, r in zip(settings, args.runs)]
     for name, run, steps, cfg in models:
         out = sample(load(args.model, run), prompts, images, 0, steps, cfg)
         columns.append((name, [(x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8) for x in out]))
@@ -207,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=Path, default=TEST, help="held-out edit prompts with image and source")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--noises", type=int, default=8, help="noises per instruction (score, table)")
-    ap.add_argument("--base-cfg", type=float, default=2.5, help="the base's second CFG (true_cfg_scale) besides 1")
+    ap.add_argument("--base-cfg", type=float, default=4.5, help="the base's second CFG (true_cfg_scale) besides 1")
     ap.add_argument("--every", type=int, default=4, help="grid: every n-th held-out instruction")
     ap.add_argument("--out", type=Path, default=RESULTS / "grid.png", help="grid: the png")
     args = ap.parse_args(argv)

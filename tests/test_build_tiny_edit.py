@@ -209,14 +209,14 @@ def test_edit_benchmark_pairs_every_export_with_the_base_on_the_same_noises(tiny
     results = tmp_path / "results"
     flags = ["--model", out, "--results", results, "--noises", "2"]
     run_script(["benchmark/edit.py", "score", run, *flags])
-    (base1, base2) = [json.loads(line) for line in (results / "base.jsonl").read_text().splitlines()]
+    (base1, base45) = [json.loads(line) for line in (results / "base.jsonl").read_text().splitlines()]
     (final,) = [json.loads(line) for line in (results / "final.jsonl").read_text().splitlines()]
-    assert (base1["cfg"], base2["cfg"], final["steps"]) == (1.0, 2.5, 2)
-    for k in ("edit_exact", "edit_asked", "rest_unchanged", "objects_extra", "edit"):
+    assert (base1["guidance_scale"], base45["guidance_scale"], final["steps"], final["set"]) == (1.0, 4.5, 2, "test")
+    for k in ("exact", "edit_asked", "rest_unchanged", "extra", "edit"):
         assert final[k] == base1[k], k
-    assert final["exact_gain_per_prompt"] == [0.0] * 28 and len(final["vs_base_cfg"]["2.5"]) == 28
+    assert final["exact_gain_cfg1_per_prompt"] == [0.0] * 28 and len(final["exact_gain_cfg4.5_per_prompt"]) == 28
     table = run_script(["benchmark/edit.py", "table", *flags]).stdout
-    assert "| same | 1 | 0 |" in table and "+0.000 ± 0.000" in table
+    assert "| same | 1 | 0 |" in table and "+0.000 ± 0.000" in table and "| base, CFG 4.5, 2 steps |" in table
     run_script(["benchmark/edit.py", "grid", run, *flags, "--out", tmp_path / "grid.png", "--every", "14"])
     assert Image.open(tmp_path / "grid.png").size == (3 * (128 + 4) + 4, 14 + 2 * (128 + 14 + 4) + 4)
 
