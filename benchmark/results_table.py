@@ -47,6 +47,7 @@ ROWS = [
     ),
     ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # --kl-beta 0.1
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
+    ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),  # --learning-rate 3e-5
     ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
     ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
     ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
