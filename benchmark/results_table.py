@@ -7,7 +7,8 @@ One protocol for every row: each export (what a user loads: runs/<run>/transform
 pipeline, ODE 10 steps at CFG 1, on the 30 held-out prompts x 32 noises (960 images) of tiny-shapes and tiny-shapes-8,
 or the 64 held-out words x 8 noises (512 images) of tiny-text, paired with the base on the same noises at CFG 1 and at
 CFG 4.5 (`python benchmark/convergence.py final RUN ... --noises 32 --sets test`, which wrote the `final.jsonl` files
-read here). A gain is the mean over prompts of the seeds' mean per-prompt gain, ± one standard error over prompts
+read here); tiny-edit's are the 28 held-out instructions x 8 noises, each with its source image, through the stock
+FluxKontextPipeline, exact = the exact edit (`python benchmark/edit.py score RUN ...`). A gain is the mean over prompts of the seeds' mean per-prompt gain, ± one standard error over prompts
 (it carries the base's own noise on these images); bold when beyond two. Extra objects: per image, mean over seeds.
 Prints markdown; reads only the jsonl files named in ROWS.
 """
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.convergence import mean_se, read_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TESTBEDS = {"tiny-shapes": "30 x 32", "tiny-shapes-8": "30 x 32", "tiny-text (OCR)": "64 x 8"}
+TESTBEDS = {"tiny-shapes": "30 x 32", "tiny-shapes-8": "30 x 32", "tiny-text (OCR)": "64 x 8", "tiny-edit": "28 x 8"}
 # testbed, algorithm, the results folder holding its final.jsonl (and the base scored on the same noises), the
 # setting's name in it, the committed export of one of its seeds (None: not in the tree; each run's command remakes it)
 ROWS = [
@@ -55,6 +56,9 @@ ROWS = [
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
     ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
     ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full", None),
+    # exact = the exact edit (benchmark/edit.py score: the stock FluxKontextPipeline, 28 held-out instructions x 8 noises)
+    ("tiny-edit", "crd", "edit", "crd", None),
+    ("tiny-edit", "nft", "edit", "nft", None),
 ]
 HEADER = [
     "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img |",
