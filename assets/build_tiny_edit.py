@@ -27,13 +27,14 @@ The prompt files are `assets/edit/{train,test}.jsonl` (203 instructions seen in 
 its source image, and the `edit` reward scores the result (`rewards/edit.py`). The build prints the base's held-out
 and seen-instruction metrics at the end, sampled by the stock pipeline.
 
-Time (bf16 autocast, --threads 1, one AMD EPYC core while the other ran a training job): the flow stage took 1.0 s
-per step of batch 64, 100 min for the default 6,000 steps (earlier, beside more jobs, 1.6 s); rendering and encoding
-the 20,000 pairs 2 min; the VAE stage (1,500 steps of batch 32) ~30 min as for tiny-shapes, or nothing with --vae-from
-assets/tiny-shapes (the same world's renders, how the committed build was made: 102 min in all). The log prints the flow stage's estimate after its first 10 steps, and progress every 200. A build is
-deterministic for a given thread count and autocast setting. The flow stage saves its state to `<out>.checkpoint.pt`
-every 250 steps (`--checkpoint-every`); the same command run again resumes from it and ends with the same weights as
-an unbroken build (so the build can span sessions); the file is deleted when the pipeline is saved.
+Time (bf16 autocast, --threads 1, one AMD EPYC core while the other ran a training job): the flow stage took 1.0 s per
+step of batch 64, 100 min for the default 6,000 steps (earlier, beside more jobs, 1.6 s); rendering and encoding the
+20,000 pairs 2 min; the VAE stage (1,500 steps of batch 32) ~30 min as for tiny-shapes, or nothing with --vae-from
+assets/tiny-shapes (the same world's renders, how the committed build was made: 102 min in all). The log prints the
+flow stage's estimate after its first 10 steps, and progress every 200. A build is deterministic for a given thread
+count and autocast setting. The flow stage saves its state to `<out>.checkpoint.pt` every 250 steps
+(`--checkpoint-every`); the same command run again resumes from it and ends with the same weights as an unbroken build
+(so the build can span sessions); the file is deleted when the pipeline is saved.
 """
 
 import argparse

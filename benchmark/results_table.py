@@ -8,9 +8,10 @@ pipeline, ODE 10 steps at CFG 1, on the 30 held-out prompts x 32 noises (960 ima
 or the 64 held-out words x 8 noises (512 images) of tiny-text, paired with the base on the same noises at CFG 1 and at
 CFG 4.5 (`python benchmark/convergence.py final RUN ... --noises 32 --sets test`, which wrote the `final.jsonl` files
 read here); tiny-edit's are the 28 held-out instructions x 8 noises, each with its source image, through the stock
-FluxKontextPipeline, exact = the exact edit (`python benchmark/edit.py score RUN ...`). A gain is the mean over prompts of the seeds' mean per-prompt gain, ± one standard error over prompts
-(it carries the base's own noise on these images); bold when beyond two. Extra objects: per image, mean over seeds.
-Prints markdown; reads only the jsonl files named in ROWS.
+FluxKontextPipeline, exact = the exact edit (`python benchmark/edit.py score RUN ...`). A gain is the mean over prompts
+of the seeds' mean per-prompt gain, ± one standard error over prompts (it carries the base's own noise on these
+images); bold when beyond two. Extra objects: per image, mean over seeds. Prints markdown; reads only the jsonl files
+named in ROWS.
 """
 
 import json
