@@ -144,7 +144,8 @@ def cmd_table(args):
     finals = [r for r in read_jsonl(args.results / "final.jsonl") if r["noises"] == args.noises]
     base = [r for r in read_jsonl(args.results / "base.jsonl") if r["noises"] == args.noises]
     if not base or not finals:
-        raise SystemExit(f"edit.py: error: no rows with --noises {args.noises} in {args.results}")
+        print(f"edit.py: error: no rows with --noises {args.noises} in {args.results}", file=sys.stderr)
+        sys.exit(2)
     tags = [f"cfg{c:g}" for c in sorted({1.0, args.base_cfg})]
     lines = [
         f"| model | seeds | images trained | held-out exact edit ({len(finals[0][f'exact_gain_{tags[0]}_per_prompt'])} "
@@ -226,6 +227,10 @@ def main(argv=None):
         ap.error(f"--model {args.model}: not a pipeline folder (build it: python assets/build_tiny_edit.py)")
     if not args.prompts.is_file():
         ap.error(f"--prompts {args.prompts}: not found")
+    try:
+        test_set(args.prompts)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a line without "image" / "source", a missing image
+        ap.error(f"--prompts {args.prompts}: not an edit prompt file with image and source per line ({type(e).__name__}: {e})")
     if args.command == "score":
         args.results.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)

@@ -224,3 +224,11 @@ def test_edit_benchmark_pairs_every_export_with_the_base_on_the_same_noises(tiny
 def test_edit_benchmark_bad_inputs_are_one_line(tmp_path):
     result = run_script(["benchmark/edit.py", "score", tmp_path], check=False)
     assert result.returncode == 2 and "not a run folder (no args.json)" in result.stderr.strip().splitlines()[-1]
+    text_only = tmp_path / "p.jsonl"
+    text_only.write_text('{"prompt": "make the circle red"}\n')
+    result = run_script(["benchmark/edit.py", "table", "--prompts", text_only], check=False)
+    assert result.returncode == 2 and "not an edit prompt file with image and source" in result.stderr.strip().splitlines()[-1]
+    result = run_script(["benchmark/edit.py", "table", "--results", tmp_path / "none"], check=False)
+    assert (
+        result.returncode == 2 and result.stderr.strip() == f"edit.py: error: no rows with --noises 8 in {tmp_path / 'none'}"
+    )
