@@ -60,7 +60,11 @@ ROWS = [
     # exact = the exact edit (benchmark/edit.py score: the stock FluxKontextPipeline, 28 held-out instructions x 8 noises)
     ("tiny-edit", "crd", "edit", "crd", None),
     ("tiny-edit", "nft", "edit", "nft", None),
+    ("tiny-edit", "dgpo", "edit", "dgpo", None),
+    ("tiny-edit", "awm", "edit", "awm", None),
     ("tiny-edit", "grpo", "edit", "grpo", None),
+    ("tiny-edit", "dpo", "edit", "dpo_full", None),
+    ("tiny-edit", "elbo_grpo", "edit", "elbo_grpo_full", None),
 ]
 HEADER = [
     "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img |",
