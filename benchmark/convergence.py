@@ -83,6 +83,8 @@ SETTINGS = {
     # each file's defaults on the tiny models (every weight: --full-finetune is their default under 50M weights, and
     # naming it keeps run_flags from adding the old LoRA settings' --no-full-finetune)
     "dpo_full": ("dpo", ["--full-finetune"]),
+    # every ordered pair of a group (28 at K=8) instead of best vs worst: on 4 tiny-edit instructions only this one learns
+    "dpo_full_all_pairs": ("dpo", ["--full-finetune", "--pairs-per-group", "all"]),
     "elbo_grpo_full": ("elbo_grpo", ["--full-finetune"]),
     "elbo_grpo_full_lr3e-5": ("elbo_grpo", ["--full-finetune", "--learning-rate", "3e-5"]),
     "elbo_grpo_full_kl0.1": ("elbo_grpo", ["--full-finetune", "--kl-beta", "0.1"]),
