@@ -290,6 +290,15 @@ def append(path: Path, row: dict):
         f.write(json.dumps(row) + "\n")
 
 
+def replace_run_row(path: Path, row: dict):
+    """Write `row` in place of path's row of the same run (extracting a run again, e.g. after it was resumed, keeps one
+    curve per run), else append it; atomic, so a kill leaves the old file or the new one."""
+    rows = [line for line in path.read_text().splitlines() if json.loads(line)["run"] != row["run"]] if path.exists() else []
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in [*rows, json.dumps(row)]))
+    os.replace(tmp, path)
+
+
 def base_scores(
     model: str, sets: dict, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics, cache: dict = {}
 ) -> dict:  # noqa: B006 - a deliberate cache
@@ -404,8 +413,9 @@ def working_seconds(times: list, until: float, pause: float = 300.0) -> float:
 
 
 def cmd_extract(args, sets):
-    """One JSON row per run into curves.jsonl: its setting, seed, device, and every held-out evaluation (images trained,
-    wall-clock seconds, exact, strict, extra objects, gap, the training reward) read from its TensorBoard events."""
+    """One JSON row per run into curves.jsonl (in place of the run's earlier row, if any): its setting, seed, device,
+    and every held-out evaluation (images trained, wall-clock seconds, exact, strict, extra objects, gap, the training
+    reward) read from its TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for run in map(Path, args.runs):
@@ -434,7 +444,8 @@ def cmd_extract(args, sets):
             ],
             "images_per_sec": round(float(np.median([e.value for e in acc.Scalars("charts/images_per_sec")])), 1),
         }
-        append(args.results / "curves.jsonl", row)
+        args.results.mkdir(parents=True, exist_ok=True)
+        replace_run_row(args.results / "curves.jsonl", row)
         print(row["setting"], row["seed"], list(zip(row["images"], exact_curve(row))), flush=True)
 
 

@@ -25,8 +25,9 @@ from benchmark.convergence import mean_se, read_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TESTBEDS = {"tiny-shapes": "30 x 32", "tiny-shapes-8": "30 x 32", "tiny-text (OCR)": "64 x 8", "tiny-edit": "28 x 8"}
-# testbed, algorithm, the results folder holding its final.jsonl (and the base scored on the same noises), the
-# setting's name in it, the committed export of one of its seeds (None: not in the tree; each run's command remakes it)
+# testbed, algorithm (a GRPO variant: "grpo (MixGRPO)", one flag of grpo.py), the results folder holding its final.jsonl
+# (and the base scored on the same noises), the setting's name in it, the committed export of one of its seeds (None:
+# not in the tree; each run's command remakes it)
 ROWS = [
     ("tiny-shapes", "crd", "shapes_clean/rescore32", "crd", None),
     ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),
@@ -50,6 +51,10 @@ ROWS = [
     ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # --kl-beta 0.1
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
     ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),  # --learning-rate 3e-5
+    ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
+    ("tiny-shapes-8", "grpo (TempFlow-GRPO)", "convergence/testbed8/leg14", "grpo_tempflow", None),
+    ("tiny-shapes-8", "grpo (Flow-DPPO)", "convergence/testbed8/leg14", "grpo_flow_dppo", None),
+    ("tiny-shapes-8", "grpo (Pref-GRPO)", "convergence/testbed8/leg14", "grpo_pref", None),
     ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
     ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
     ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
@@ -103,8 +108,10 @@ def table() -> list:
             raise SystemExit(f"results_table.py: no held-out row of {setting} in {folder}/final.jsonl")
         images = "/".join(sorted({f"{r['images']:,}" for r in rows}))
         exact = np.mean([r["exact"] for r in rows])
+        name, _, variant = algo.partition(" ")
+        link = f"[{name}](docs/{name}.md)" + (f" {variant}" if variant else "")
         out.append(
-            f"| {testbed} | [{algo}](docs/{algo}.md) | {images} | {len(rows)} | {exact:.3f} | {gain(rows, 'cfg1')} | "
+            f"| {testbed} | {link} | {images} | {len(rows)} | {exact:.3f} | {gain(rows, 'cfg1')} | "
             f"{gain(rows, 'cfg4.5')} | {extra(rows)} |"
         )
     return out

@@ -123,6 +123,16 @@ def test_working_seconds_leaves_out_the_pause_between_a_stop_and_its_resume():
     assert working_seconds(times, 5.0) == 0.0
 
 
+def test_extracting_a_run_again_replaces_its_curve_row_and_keeps_the_others(tmp_path):
+    from benchmark.convergence import read_jsonl, replace_run_row
+
+    path = tmp_path / "curves.jsonl"
+    for run, exact in (("a", [0.1]), ("b", [0.2]), ("a", [0.1, 0.3])):  # run a extracted again after a resume
+        replace_run_row(path, {"run": run, "shapes_exact": exact})
+    assert read_jsonl(path) == [{"run": "b", "shapes_exact": [0.2]}, {"run": "a", "shapes_exact": [0.1, 0.3]}]
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.jsonl"]  # no temporary file left
+
+
 def test_seeds_table_gives_mean_and_standard_error_over_seeds():
     """The over-seeds row against a hand computation: SE = sample std (n - 1) / sqrt(n), one seed has no SE, and the
     CFG-1 and CFG-4.5 gains are averaged over the same seeds; the training-prompt rows stay out."""

@@ -15,7 +15,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 from benchmark.convergence import TASKS, UNSEEN, prompt_kinds, prompt_sets  # noqa: E402
 
-# the committed export each results folder scored, by run name (the README's commands)
+# the committed export each results folder scored, by run name (the README's commands); any other run is a run folder
+# retrained for this table (`retrain/runs/`, not in the tree: the README's commands remake it)
 SOURCES = {
     "tiny-shapes": {"grpo__s1": "leg7"},
     "tiny-shapes-8": {"nft_full_lr1e-4__s3": "testbed8/leg9b", "grpo__s1": "testbed8/leg10"},
@@ -28,6 +29,14 @@ def mean_se(v, sign=""):
     return f"{v.mean():{sign}.3f} ± {v.std(ddof=1) / math.sqrt(len(v)):.3f}"
 
 
+def export(model: str, row: dict) -> str:
+    if row["run"] in SOURCES[model]:
+        return f"{SOURCES[model][row['run']]}/{row['run']}"
+    if row["run"].startswith("shapes_clean__"):
+        return f"{row['setting']}, seed {row['seed']} (a run folder, not in the tree)"
+    return f"leg2/{row['run']}"
+
+
 def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -35,7 +44,7 @@ def read(path):
 print(f"unseen: {len(prompt_sets(unseen_file=UNSEEN)['unseen'])} prompts; training sample: {colour.sum()} of its")
 print(f"{len(colour)} prompts are colour attribution. Noises: 16 per prompt (seeds 0, 1000, ..., 15000) in the first table.\n")
 print(
-    "| model | export (benchmark/results/convergence/...) | images | CFG | unseen exact | vs base CFG 1 | vs base CFG 4.5 "
+    "| model | export (benchmark/results/convergence/...) or run | images | CFG | unseen exact | vs base CFG 1 | vs base CFG 4.5 "
     "| train colour-attr exact | vs base CFG 1 | vs base CFG 4.5 |"
 )
 print("|---|---|---|---|---|---|---|---|---|---|")
@@ -54,7 +63,7 @@ for model in ("tiny-shapes", "tiny-shapes-8"):  # each model's results folder
         unseen = [f"{r[f'exact_gain_{k}']:+.3f} ± {r[f'exact_gain_{k}_se']:.3f}" for k in ("cfg1", "cfg4.5")]
         gains = [mean_se(np.array(t[f"exact_gain_{k}_per_prompt"])[colour], "+") for k in ("cfg1", "cfg4.5")]
         print(
-            f"| {model} | {SOURCES[model].get(r['run'], 'leg2')}/{r['run']} | {r['images']:,} | {r['guidance_scale']:g} "
+            f"| {model} | {export(model, r)} | {r['images']:,} | {r['guidance_scale']:g} "
             f"| {r['exact']:.3f} | {unseen[0]} | {unseen[1]} | {train[colour].mean():.3f} | {gains[0]} | {gains[1]} |"
         )
 
@@ -67,4 +76,4 @@ for model in ("tiny-shapes", "tiny-shapes-8"):
         print(f"| {model} | base, CFG {cfg:g} | {mean_se(r['exact_per_prompt'])} | | |")
     for r in read(HERE / model / "noises32" / "final.jsonl"):
         gains = [f"{r[f'exact_gain_{k}']:+.3f} ± {r[f'exact_gain_{k}_se']:.3f}" for k in ("cfg1", "cfg4.5")]
-        print(f"| {model} | {SOURCES[model].get(r['run'], 'leg2')}/{r['run']} | {r['exact']:.3f} | {gains[0]} | {gains[1]} |")
+        print(f"| {model} | {export(model, r)} | {r['exact']:.3f} | {gains[0]} | {gains[1]} |")
