@@ -85,9 +85,10 @@ SETTINGS = {
     "dpo_full": ("dpo", ["--full-finetune"]),
     # every ordered pair of a group (28 at K=8) instead of best vs worst: on 4 tiny-edit instructions only this one learns
     "dpo_full_all_pairs": ("dpo", ["--full-finetune", "--pairs-per-group", "all"]),
-    "elbo_grpo_full": ("elbo_grpo", ["--full-finetune"]),
+    # lr 1e-4 was ELBO-GRPO's default until leg 15: pinned so that these names remake their committed rows
+    "elbo_grpo_full": ("elbo_grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     "elbo_grpo_full_lr3e-5": ("elbo_grpo", ["--full-finetune", "--learning-rate", "3e-5"]),
-    "elbo_grpo_full_kl0.1": ("elbo_grpo", ["--full-finetune", "--kl-beta", "0.1"]),
+    "elbo_grpo_full_kl0.1": ("elbo_grpo", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1"]),
     # Flow-GRPO's recipe: rollouts (and evaluation) at CFG 4.5, KL 0.04 to the reference
     "grpo_cfg4.5_kl0.04": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04"]),
     "grpo_cfg4.5_kl0.04_lr1e-4": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "1e-4"]),

@@ -33,7 +33,7 @@ ROWS = [
     ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),
     ("tiny-shapes", "nft", "shapes_clean/rescore32", "nft", None),
     ("tiny-shapes", "dpo", "convergence/dpo_elbo", "dpo_full", None),
-    ("tiny-shapes", "elbo_grpo", "convergence/dpo_elbo", "elbo_grpo_full", None),
+    ("tiny-shapes", "elbo_grpo", "convergence/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes", "crd", "convergence/rescore32", "crd_full_lr1e-4", "convergence/leg2/crd_full_lr1e-4__s1"),
     ("tiny-shapes", "nft", "convergence/rescore32", "nft_full_lr1e-4", "convergence/leg2/nft_full_lr1e-4__s1"),
     ("tiny-shapes", "dgpo", "convergence/rescore32", "dgpo_full_lr1e-4", "convergence/leg2/dgpo_full_lr1e-4__s1"),
@@ -50,7 +50,7 @@ ROWS = [
     ),
     ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # --kl-beta 0.1
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
-    ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),  # --learning-rate 3e-5
+    ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
     ("tiny-shapes-8", "grpo (TempFlow-GRPO)", "convergence/testbed8/leg14", "grpo_tempflow", None),
     ("tiny-shapes-8", "grpo (Flow-DPPO)", "convergence/testbed8/leg14", "grpo_flow_dppo", None),
@@ -61,7 +61,7 @@ ROWS = [
     ("tiny-text (OCR)", "awm", "convergence/ocr/leg6", "awm", None),
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
     ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
-    ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full", None),
+    ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
     # exact = the exact edit (benchmark/edit.py score: the stock FluxKontextPipeline, 28 held-out instructions x 8 noises)
     ("tiny-edit", "crd", "edit", "crd", None),
     ("tiny-edit", "nft", "edit", "nft", None),
@@ -69,7 +69,7 @@ ROWS = [
     ("tiny-edit", "awm", "edit", "awm", None),
     ("tiny-edit", "grpo", "edit", "grpo", None),
     ("tiny-edit", "dpo", "edit", "dpo_full", None),
-    ("tiny-edit", "elbo_grpo", "edit", "elbo_grpo_full", None),
+    ("tiny-edit", "elbo_grpo (lr 1e-4)", "edit", "elbo_grpo_full", None),  # the default before leg 15
 ]
 HEADER = [
     "| testbed | algorithm | images trained | seeds | held-out exact | vs base CFG 1 | vs base CFG 4.5 | extra objects/img |",

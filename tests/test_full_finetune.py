@@ -293,16 +293,17 @@ def test_grpo_trains_a_lora_by_default():
 
 
 @pytest.mark.parametrize(
-    ("algo", "lora_lr"), [("crd", 1e-3), ("nft", 3e-3), ("dgpo", 1e-3), ("awm", 1e-3), ("elbo_grpo", 1e-3)]
+    ("algo", "full_lr", "lora_lr"),
+    [("crd", 1e-4, 1e-3), ("nft", 1e-4, 3e-3), ("dgpo", 1e-4, 1e-3), ("awm", 1e-4, 1e-3), ("elbo_grpo", 3e-5, 1e-3)],
 )
-def test_default_learning_rate_follows_what_is_trained(algo, lora_lr, prompt_dir, tmp_path):
-    """A run left at the defaults records what it decided in args.json (a resume reads it back): every weight at lr
-    1e-4 on the tiny model, the file's LoRA learning rate with --no-full-finetune; an explicit rate wins."""
+def test_default_learning_rate_follows_what_is_trained(algo, full_lr, lora_lr, prompt_dir, tmp_path):
+    """A run left at the defaults records what it decided in args.json (a resume reads it back): every weight at the
+    file's full learning rate on the tiny model, its LoRA learning rate with --no-full-finetune; an explicit rate wins."""
     import importlib
 
     module = importlib.import_module(f"algos.{algo}")
     for flags, full, lr in (
-        ([], True, 1e-4),
+        ([], True, full_lr),
         (["--no-full-finetune"], False, lora_lr),
         (["--learning-rate", "3e-4"], True, 3e-4),
     ):
