@@ -151,7 +151,10 @@ def test_old_elbos_come_from_the_rollout_weights_at_the_same_draws(tmp_path):
     assert {"charts/reward_mean", "charts/reward_std", "eval/shapes_clean"} <= set(two)
 
 
-MARGINS = {"jpeg_compressibility": 0.08, "jpeg_incompressibility": 0.25}  # seed 1 gave +0.17 and +0.63 (AWM's margins)
+# seed 1 gave +0.17 and +0.63 at lr 1e-4 (AWM's margins). The test pins 1e-4: it checks the loss's direction in 8
+# epochs, and the every-weight default of 3e-5 (chosen on the testbeds' longer runs) gains only +0.14 on
+# incompressibility in that budget, too near eval noise to tell a sign
+MARGINS = {"jpeg_compressibility": 0.08, "jpeg_incompressibility": 0.25}
 
 
 @pytest.mark.slow
@@ -163,6 +166,7 @@ def test_elbo_grpo_learns_in_both_directions(reward, tmp_path):
     (tmp_path / "eval.txt").write_text("a red circle\na blue square\n" * 2)  # x 2 repeats = 8 eval images, fixed noise
     flags = f"--reward {reward} --train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'eval.txt'} --num-prompts 2"
     flags += " --group-size 8 --micro-batch 8 --num-steps 6 --num-epochs 8 --eval-every 4 --num-train-timesteps 4"
+    flags += " --learning-rate 1e-4"
     scalars = _run(tmp_path, flags)
     before, after = scalars[f"eval/{reward}"][0], scalars[f"eval/{reward}"][-1]
     assert after - before > MARGINS[reward], scalars[f"eval/{reward}"]
