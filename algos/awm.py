@@ -173,8 +173,8 @@ class Args:
     """PPO clip below: ratio >= 1 - clip_low"""
     clip_high: float = 1.0
     """PPO clip above: ratio <= 1 + clip_high"""
-    kl_beta: float = 0.01
-    """KL weight to the base model"""
+    kl_beta: float = 0.1
+    """KL weight to the base model (docs/awm.md: why 0.1 on the tiny models; the papers' 1e-4 to 3e-3 in sd35_awm.sh)"""
     ema_kl_beta: float = 0.0
     """KL weight to the EMA of the policy, ||v - v_ema||^2"""
     ema_decay_start: float = 0.0

@@ -75,8 +75,8 @@ SETTINGS = {
     "nft": ("nft", []),
     "nft_lr1e-3": ("nft", ["--learning-rate", "1e-3"]),
     "nft_p16": ("nft", ["--num-prompts", "16", "--grad-steps-per-epoch", "2"]),
-    "awm": ("awm", []),
-    "awm_lr3e-3": ("awm", ["--learning-rate", "3e-3"]),
+    "awm": ("awm", ["--kl-beta", "0.01"]),  # the default until leg 16: OCR (leg 6) and tiny-edit ran at it
+    "awm_lr3e-3": ("awm", ["--learning-rate", "3e-3", "--kl-beta", "0.01"]),
     "dgpo": ("dgpo", []),
     "dgpo_kl0.1": ("dgpo", ["--kl-beta", "0.1"]),
     "grpo": ("grpo", []),
@@ -104,8 +104,8 @@ SETTINGS = {
     "nft_ff": ("nft", FF),
     "nft_ff_steps4": ("nft", [*FF, "--grad-steps-per-epoch", "4"]),
     "nft_lr1e-3_ff_steps4": ("nft", ["--learning-rate", "1e-3", *FF, "--grad-steps-per-epoch", "4"]),
-    "awm_steps8": ("awm", STEPS8),
-    "awm_ff": ("awm", FF),
+    "awm_steps8": ("awm", [*STEPS8, "--kl-beta", "0.01"]),
+    "awm_ff": ("awm", [*FF, "--kl-beta", "0.01"]),
     "dgpo_steps8": ("dgpo", STEPS8),
     "dgpo_ff": ("dgpo", FF),
     "grpo_cfg4.5_kl0.04_lr2e-3": ("grpo", ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--learning-rate", "2e-3"]),
@@ -117,7 +117,7 @@ SETTINGS = {
     "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),
     "nft_full_lr1e-4": ("nft", ["--full-finetune", "--learning-rate", "1e-4"]),
     "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
-    "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4"]),
+    "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.01"]),
     "grpo_full_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     # GRPO-Guard's RatioNorm (arXiv 2510.22319): its remedy for a reward that falls under Flow-GRPO's biased ratios
     "grpo_full_guard_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4", "--grpo-guard"]),
@@ -144,6 +144,8 @@ SETTINGS = {
     # term only when v drifts ~17 from v_ref (the ghuber gradient at the base's FM error); 10x and 100x (leg 12)
     "awm_full_kl0.1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1"]),
     "awm_full_kl1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "1.0"]),
+    # AWM's default KL since leg 16 (0.1), at the files' defaults: the OCR and tiny-edit rows' remake at it
+    "awm_kl0.1": ("awm", ["--kl-beta", "0.1"]),
     # learning-2's long GRPO run toward the length its noise scale predicts (leg 11: every SDE step trained halves
     # B_noise, ~48,000 images; cos 0.9 at ~4.3 B_noise ~ 206,000 images), at a learning rate 25x under the default so
     # that the summed noise walk of ~6,500 steps stays below the one leg 10's 10,240-image run already drifted with

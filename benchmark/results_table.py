@@ -34,10 +34,11 @@ ROWS = [
     ("tiny-shapes", "nft", "shapes_clean/rescore32", "nft", None),
     ("tiny-shapes", "dpo", "convergence/dpo_elbo", "dpo_full", None),
     ("tiny-shapes", "elbo_grpo", "convergence/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
+    ("tiny-shapes", "awm", "convergence/awm_kl", "awm_full_kl0.1_lr1e-4", None),  # KL 0.1, the default since leg 16
     ("tiny-shapes", "crd", "convergence/rescore32", "crd_full_lr1e-4", "convergence/leg2/crd_full_lr1e-4__s1"),
     ("tiny-shapes", "nft", "convergence/rescore32", "nft_full_lr1e-4", "convergence/leg2/nft_full_lr1e-4__s1"),
     ("tiny-shapes", "dgpo", "convergence/rescore32", "dgpo_full_lr1e-4", "convergence/leg2/dgpo_full_lr1e-4__s1"),
-    ("tiny-shapes", "awm", "convergence/rescore32", "awm_full_lr1e-4", None),
+    ("tiny-shapes", "awm (KL 0.01)", "convergence/rescore32", "awm_full_lr1e-4", None),  # AWM's default KL until leg 16
     ("tiny-shapes", "grpo", "convergence/leg7", "grpo", "convergence/leg7/grpo__s1"),
     ("tiny-shapes-8", "crd", "convergence/testbed8/seeds32", "crd_full_lr1e-4", None),
     ("tiny-shapes-8", "dgpo", "convergence/testbed8/seeds32_long", "dgpo_full_lr1e-4", None),
@@ -48,7 +49,7 @@ ROWS = [
         "nft_full_lr1e-4",
         "convergence/testbed8/leg9b/nft_full_lr1e-4__s3",
     ),
-    ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # --kl-beta 0.1
+    ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
     ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
@@ -58,7 +59,7 @@ ROWS = [
     ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
     ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
     ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
-    ("tiny-text (OCR)", "awm", "convergence/ocr/leg6", "awm", None),
+    ("tiny-text (OCR)", "awm (KL 0.01)", "convergence/ocr/leg6", "awm", None),
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
     ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
     ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
@@ -66,7 +67,7 @@ ROWS = [
     ("tiny-edit", "crd", "edit", "crd", None),
     ("tiny-edit", "nft", "edit", "nft", None),
     ("tiny-edit", "dgpo", "edit", "dgpo", None),
-    ("tiny-edit", "awm", "edit", "awm", None),
+    ("tiny-edit", "awm (KL 0.01)", "edit", "awm", None),
     ("tiny-edit", "grpo", "edit", "grpo", None),
     ("tiny-edit", "dpo", "edit", "dpo_full", None),
     ("tiny-edit", "elbo_grpo (lr 1e-4)", "edit", "elbo_grpo_full", None),  # the default before leg 15

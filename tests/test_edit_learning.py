@@ -25,8 +25,14 @@ INSTRUCTIONS = ["make the red circle green", "move the red circle up", "make the
 # still clears it.
 GAIN = {"crd": 0.1, "nft": 0.15, "dgpo": 0.05, "awm": 0.15, "elbo_grpo": 0.15, "dpo": 0.15, "grpo": 0.03}
 # ELBO-GRPO at lr 1e-4, its former default: its default 3e-5 (for runs of thousands of images, convergence leg 15)
-# gains 0.115 here in 8 epochs (0.479 -> 0.594, seed 1), too close to a margin that must hold on every CPU
-FLAGS = {"dpo": "--pairs-per-group all", "grpo": "--full-finetune", "elbo_grpo": "--learning-rate 1e-4"}
+# gains 0.115 here in 8 epochs (0.479 -> 0.594, seed 1), too close to a margin that must hold on every CPU. AWM at
+# KL 0.01, its default until convergence leg 16, where the gain above was measured (KL 0.1 not measured here).
+FLAGS = {
+    "dpo": "--pairs-per-group all",
+    "grpo": "--full-finetune",
+    "elbo_grpo": "--learning-rate 1e-4",
+    "awm": "--kl-beta 0.01",
+}
 GROUP_SIZE = {"grpo": 16}  # the others 8
 
 
