@@ -59,7 +59,7 @@ ROWS = [
     ("tiny-text (OCR)", "crd", "convergence/ocr/leg6", "crd", "convergence/ocr/leg6/crd__s1"),
     ("tiny-text (OCR)", "nft", "convergence/ocr/leg6", "nft", None),
     ("tiny-text (OCR)", "dgpo", "convergence/ocr/leg6", "dgpo", None),
-    ("tiny-text (OCR)", "awm (KL 0.01)", "convergence/ocr/leg6", "awm", None),
+    ("tiny-text (OCR)", "awm", "convergence/ocr/awm_kl", "awm_kl0.1", None),
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
     ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
     ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
