@@ -144,7 +144,7 @@ SETTINGS = {
     # term only when v drifts ~17 from v_ref (the ghuber gradient at the base's FM error); 10x and 100x (leg 12)
     "awm_full_kl0.1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1"]),
     "awm_full_kl1_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "1.0"]),
-    # AWM's default KL since leg 16 (0.1), at the files' defaults: the OCR and tiny-edit rows' remake at it
+    # AWM's default KL since leg 16 (0.1) with the file's other defaults: leg 16's OCR row (tiny-edit's stays at 0.01)
     "awm_kl0.1": ("awm", ["--kl-beta", "0.1"]),
     # learning-2's long GRPO run toward the length its noise scale predicts (leg 11: every SDE step trained halves
     # B_noise, ~48,000 images; cos 0.9 at ~4.3 B_noise ~ 206,000 images), at a learning rate 25x under the default so
