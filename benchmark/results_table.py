@@ -63,6 +63,10 @@ ROWS = [
     ("tiny-text (OCR)", "grpo", "convergence/ocr/leg6", "grpo", "convergence/ocr/leg6/grpo__s1"),
     ("tiny-text (OCR)", "dpo", "convergence/ocr/dpo_elbo", "dpo_full", None),
     ("tiny-text (OCR)", "elbo_grpo", "convergence/ocr/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
+    ("tiny-text (OCR)", "grpo (MixGRPO)", "convergence/ocr/variants", "grpo_mixgrpo", None),
+    ("tiny-text (OCR)", "grpo (TempFlow-GRPO)", "convergence/ocr/variants", "grpo_tempflow", None),
+    ("tiny-text (OCR)", "grpo (Flow-DPPO)", "convergence/ocr/variants", "grpo_flow_dppo", None),
+    ("tiny-text (OCR)", "grpo (Pref-GRPO)", "convergence/ocr/variants", "grpo_pref", None),
     # exact = the exact edit (benchmark/edit.py score: the stock FluxKontextPipeline, 28 held-out instructions x 8 noises)
     ("tiny-edit", "crd", "edit", "crd", None),
     ("tiny-edit", "nft", "edit", "nft", None),
