@@ -156,6 +156,12 @@ SETTINGS = {
         "awm",
         ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1", "--eval-ema-decay", "0.99"],
     ),
+    # KL 0.1 holds AWM at the CFG-4.5 level, 0.01 lets it come apart past ~5,000 images (leg 12): 0.03 allows more
+    # drift toward the reward, the exported EMA averages the wander that comes with it (leg 18)
+    "awm_full_kl0.03_ema0.99_lr1e-4": (
+        "awm",
+        ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.03", "--eval-ema-decay", "0.99"],
+    ),
     # issue algorithms-2's GRPO variants, each one flag on GRPO's defaults (docs/grpo.md item 11), with the value its
     # paper or code uses: MixGRPO's sliding window, TempFlow-GRPO's noise weight, Flow-DPPO's KL mask, Pref-GRPO's
     # win rate
@@ -388,6 +394,8 @@ def cmd_final(args, sets):
             pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
         images = images_trained(run) or images_in_card(run)  # a committed copy has no TensorBoard events
+        if stopped_short(run):  # a legitimate row (the images column says where), but not the run's planned length
+            print(f"{run}: stopped at {stopped_short(run)}; scoring its export at {images:,} images", file=sys.stderr)
         for name, prompts in sets.items():
             m = score(pipe, encoder, prompts, cfg, args.noises, args.task["metrics"])
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
@@ -406,6 +414,32 @@ def export_weights(run: Path) -> bool:
     if (run / "lora").is_dir():
         return any((run / "lora").glob("*.safetensors"))
     return True
+
+
+def in_training(run: Path) -> bool:
+    """Whether a training process holds the run now (its .lock, taken by `run.lock_run` for the process's life): the
+    export of such a run is the last checkpoint's, a half-trained one."""
+    import fcntl
+
+    if not (run / ".lock").is_file():
+        return False
+    with open(run / ".lock") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+def stopped_short(run: Path) -> str:
+    """'epoch E of N' for a run whose newest checkpoint is short of its --num-epochs (stopped by --stop-after or a
+    kill: its export is the weights at the stop), else ''. A committed copy (no checkpoints/) says nothing."""
+    epochs = [int(d.name[6:]) for d in (run / "checkpoints").glob("epoch_*") if d.name[6:].isdigit()]
+    planned = json.loads((run / "args.json").read_text()).get("num_epochs")
+    if epochs and isinstance(planned, int) and max(epochs) < planned:
+        return f"epoch {max(epochs)} of {planned}"
+    return ""
 
 
 def working_seconds(times: list, until: float, pause: float = 300.0) -> float:
@@ -848,6 +882,9 @@ def main():
         weightless = [r for r in args.runs if not export_weights(Path(r))]
         if args.command == "final" and weightless:
             ap.error(f"{weightless[0]}: its export has no weights (restore them as its README says)")
+        training = [r for r in args.runs if in_training(Path(r))]
+        if args.command == "final" and training:
+            ap.error(f"{training[0]}: still training (its .lock is held); score its export when the run has ended")
     torch.set_num_threads(1)
     args.task = TASKS[args.task]
     args.model = args.model or args.task["model"]

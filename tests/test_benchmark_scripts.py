@@ -2,7 +2,9 @@
 GPU count, for every TASK (they cannot be run here: no GPU, no hub)."""
 
 import importlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -343,6 +345,40 @@ def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
     r = run_script(argv, check=False, timeout=120)
     assert r.returncode == 2 and not results.exists()
     assert r.stderr.strip().splitlines()[-1] == f"convergence.py: error: {message.format(**fill)}"
+
+
+def test_convergence_final_refuses_a_run_still_training(tmp_path):
+    """`final` on a run whose .lock a training process holds would score the half-trained export of its last
+    checkpoint: one line, rc 2, nothing written. Once the lock is released the same folder is past the guard."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(REPO / "benchmark" / "results" / "convergence" / "leg2" / "crd_full_lr1e-4__s1" / "args.json", run)
+    results = tmp_path / "results"
+    argv = ["benchmark/convergence.py", "final", str(run), "--results", results, "--model", str(tmp_path / "no_model")]
+    with open(run / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: conflicts as the training process would
+        r = run_script(argv, check=False, timeout=120)
+    assert r.returncode == 2 and not results.exists()
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == f"convergence.py: error: {run}: still training (its .lock is held); score its export when the run has ended"
+    )
+    r = run_script(argv, check=False, timeout=120)  # released: the next check (the missing model) is what stops it
+    assert r.returncode == 2 and "not a pipeline folder" in r.stderr.strip().splitlines()[-1]
+
+
+def test_stopped_short_reads_the_newest_checkpoint_against_num_epochs(tmp_path):
+    from benchmark.convergence import stopped_short
+
+    (tmp_path / "args.json").write_text(json.dumps({"num_epochs": 160}))
+    assert stopped_short(tmp_path) == ""  # a committed copy: no checkpoints
+    for epoch in (20, 40):
+        (tmp_path / "checkpoints" / f"epoch_{epoch:06d}").mkdir(parents=True)
+    assert stopped_short(tmp_path) == "epoch 40 of 160"
+    (tmp_path / "checkpoints" / "epoch_000160").mkdir()
+    assert stopped_short(tmp_path) == ""
 
 
 def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_prompt_file():
