@@ -49,7 +49,9 @@ ROWS = [
         "nft_full_lr1e-4",
         "convergence/testbed8/leg9b/nft_full_lr1e-4__s3",
     ),
-    ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),
+    # AWM's best setting there (leg 18); the default KL 0.1's row (leg 12: 0.293, -0.002 vs CFG 4.5) is in the
+    # convergence README
+    ("tiny-shapes-8", "awm (KL 0.03, EMA 0.99)", "convergence/testbed8/leg18", "awm_full_kl0.03_ema0.99_lr1e-4", None),
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
     ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
