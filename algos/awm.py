@@ -187,8 +187,6 @@ class Args:
     """the largest decay d of the EMA"""
     off_policy: bool = False
     """roll out (and take old log-likelihoods) with the EMA, not the current weights"""
-    shared_group_noise: bool = False
-    """the K images of a prompt share their training noise and timesteps (off: per image, as the official code)"""
 
     # to be filled in runtime
     run_name: tyro.conf.Suppress[str] = ""
@@ -334,24 +332,6 @@ def update_ema(ema, params, decay: float):
             e.lerp_(p.detach(), 1 - min(max(decay, 0.0), 1.0))
 
 
-def draw_keys(local_idx: torch.Tensor, group_size: int, micro_batch: int, shared: bool):
-    """Keys of the training draws: one per sample for its noise eps, one per micro-batch for its timesteps (a
-    micro-batch's samples share them: one forward). Keyed by global indices, so any rank count draws the same.
-
-    shared: common random numbers within a group. Its advantages sum to zero, so the part of the advantage-weighted
-    gradient that depends only on (t, eps), not on the image, cancels instead of adding noise; each image's own draw
-    is still N(0, I) at a stratified t, the same estimator in expectation. A micro-batch then holds whole groups or
-    part of one, so that a group's micro-batches draw the same timesteps."""
-    if not shared:
-        return local_idx, local_idx[::micro_batch] // micro_batch
-    if micro_batch % group_size and group_size % micro_batch:
-        raise common.UserError(
-            f"--shared-group-noise: micro_batch ({micro_batch}) must divide or be a multiple of group_size "
-            f"({group_size}), so that a group's images share their timesteps"
-        )
-    return local_idx // group_size, local_idx[::micro_batch] // max(micro_batch, group_size)
-
-
 def main(args: Args):
     # TRY NOT TO MODIFY: setup, seeding, logging
     run_dir, ckpt = run.start_run(args, __file__)
@@ -368,7 +348,6 @@ def main(args: Args):
     num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
     # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
     local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
-    noise_keys, timestep_keys = draw_keys(local_idx, args.group_size, args.micro_batch, args.shared_group_noise)
     if dist.is_main:
         print(
             f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
@@ -512,13 +491,12 @@ def main(args: Args):
             # (plus the base / EMA velocities of the KL terms), for every micro-batch before any update: from the second
             # optimizer step of the epoch on, the ratio compares the moved policy with the sampler. Micro-batches are
             # contiguous (the prompts already arrive in random order), so any rank count computes the same thing.
-            # (--shared-group-noise: a group's streams are keyed alike, so its images draw the same eps, see draw_keys)
-            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=noise_keys)  # one stream per sample
+            train_gens = common.keyed_generators(args.seed, epoch, "train", indices=local_idx)  # one noise stream per sample
             batches = []
             for mb in range(num_micro):
                 sl = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                 mb_cond = cond[sl]
-                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(timestep_keys[mb]))
+                t_gen = common.keyed_generator(args.seed, epoch, "timesteps", int(local_idx[sl.start]) // args.micro_batch)
                 for i in common.stratified_indices(eligible - min_index, args.num_train_timesteps, t_gen):
                     s = sigmas[min_index + i]
                     eps = common.randn(x0[sl].shape, train_gens[sl]).to(device)

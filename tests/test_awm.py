@@ -7,8 +7,6 @@ import pytest
 import torch
 from conftest import run_script, scalars
 
-import common
-import distributed
 from algos import awm
 
 
@@ -155,54 +153,6 @@ def test_old_log_probs_are_precomputed_under_the_sampling_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_draw_keys_per_image_by_default_and_per_group_when_shared():
-    """Default: a key per sample and per micro-batch (today's draws, so old runs resume the same). Shared: a group's
-    samples share the noise key and, whether a micro-batch holds two groups or half of one, the timestep key; no two
-    groups share a noise key. On two ranks each rank's keys are its slice of the one-process keys."""
-    idx = torch.arange(32)
-    noise, steps = awm.draw_keys(idx, 8, 4, shared=False)
-    assert noise.tolist() == list(range(32)) and steps.tolist() == list(range(8))
-    for micro_batch in (2, 4, 8, 16):
-        noise, steps = awm.draw_keys(idx, 8, micro_batch, shared=True)
-        assert noise.tolist() == [i // 8 for i in range(32)]
-        group_of_micro = [start // 8 for start in range(0, 32, micro_batch)]
-        for a in range(len(steps)):
-            for b in range(len(steps)):  # same timesteps exactly for the same group (or micro-batch of groups)
-                same = a == b if micro_batch >= 8 else group_of_micro[a] == group_of_micro[b]
-                assert (steps[a] == steps[b]) == same
-    layout = [distributed.rank_indices(32, 2, 2, rank) for rank in (0, 1)]
-    one = dict(zip(range(32), awm.draw_keys(idx, 8, 4, shared=True)[0].tolist()))
-    for local in layout:
-        assert awm.draw_keys(local, 8, 4, shared=True)[0].tolist() == [one[int(i)] for i in local]
-
-
-def test_shared_group_noise_cancels_what_does_not_depend_on_the_image():
-    """Why the flag: with identical images in a group and shared (t, eps), every image's flow-matching error is the
-    same, so the zero-sum advantages leave exactly no policy gradient; with per-image eps the same batch gives a gradient
-    that is pure noise."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(6, 6, bias=False).double()
-    x0 = _rand(1, 6, seed=7).expand(4, 6)  # one group of 4 identical images
-    adv = torch.tensor([1.5, -0.5, 0.5, -1.5], dtype=torch.float64)
-    grads = {}
-    for shared in (True, False):
-        eps = _rand(1, 6, seed=8).expand(4, 6) if shared else _rand(4, 6, seed=8)
-        s = 0.6
-        xt = (1 - s) * x0 + s * eps
-        lp = awm.pseudo_log_prob(lin(xt), eps - x0, s, "ghuber")
-        loss, *_ = awm.ppo_loss(lp, lp.detach(), adv, 1.0, 1.0)
-        lin.zero_grad()
-        loss.backward()
-        grads[shared] = lin.weight.grad.norm().item()
-    assert grads[True] < 1e-12 < 1e-3 < grads[False]
-
-
-def test_shared_group_noise_needs_micro_batches_aligned_with_groups():
-    with pytest.raises(common.UserError, match="must divide or be a multiple of group_size"):
-        awm.draw_keys(torch.arange(24), 6, 4, shared=True)
-    awm.draw_keys(torch.arange(24), 6, 4, shared=False)  # per-image draws need no alignment
-
-
 @pytest.mark.parametrize("reward", ["jpeg_compressibility", "jpeg_incompressibility"])
 def test_awm_learns_in_both_directions(reward, tmp_path):
     """Opposite rewards from the same start: each must rise on its own prompts well beyond eval noise (a flipped loss

@@ -127,7 +127,6 @@ SPECIFIC = [
     ("nft", "--nft-beta 0", "nft_beta (0.0) must be > 0"),
     ("nft", "--old-decay-max 2", "--old-decay-max 2.0: must be in [0, 1]"),
     ("crd", "--micro-batch 2", "must hold whole groups"),
-    ("awm", "--shared-group-noise --group-size 3 --num-prompts 4 --micro-batch 2", "must divide or be a multiple of"),
     ("crd", "--sampling-decay-ramp -0.1", "--sampling-decay-ramp -0.1: must be >= 0"),
     ("dgpo", "--ema-ref-decay-start 1.5", "--ema-ref-decay-start 1.5: must be in [0, 1]"),
     ("dgpo", "--micro-batch 2", "must hold whole groups"),
