@@ -158,6 +158,8 @@ SETTINGS = {
     ),
     # KL 0.1 holds AWM at the CFG-4.5 level, 0.01 lets it come apart past ~5,000 images (leg 12): 0.03 allows more
     # drift toward the reward, the exported EMA averages the wander that comes with it (leg 18)
+    # the same KL at the default length on the 4-layer model, beside leg 16's 0.01 and 0.1 (would it be the default?)
+    "awm_full_kl0.03_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.03"]),
     "awm_full_kl0.03_ema0.99_lr1e-4": (
         "awm",
         ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.03", "--eval-ema-decay", "0.99"],
