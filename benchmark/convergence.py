@@ -156,10 +156,10 @@ SETTINGS = {
         "awm",
         ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.1", "--eval-ema-decay", "0.99"],
     ),
-    # KL 0.1 holds AWM at the CFG-4.5 level, 0.01 lets it come apart past ~5,000 images (leg 12): 0.03 allows more
-    # drift toward the reward, the exported EMA averages the wander that comes with it (leg 18)
     # the same KL at the default length on the 4-layer model, beside leg 16's 0.01 and 0.1 (would it be the default?)
     "awm_full_kl0.03_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.03"]),
+    # KL 0.1 holds AWM at the CFG-4.5 level, 0.01 lets it come apart past ~5,000 images (leg 12): 0.03 allows more
+    # drift toward the reward, the exported EMA averages the wander that comes with it (leg 18)
     "awm_full_kl0.03_ema0.99_lr1e-4": (
         "awm",
         ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.03", "--eval-ema-decay", "0.99"],
@@ -396,8 +396,9 @@ def cmd_final(args, sets):
             pipe.load_lora_weights(str(run / "lora"))
         encoder = common.PromptEncoder(pipe)
         images = images_trained(run) or images_in_card(run)  # a committed copy has no TensorBoard events
-        if stopped_short(run):  # a legitimate row (the images column says where), but not the run's planned length
-            print(f"{run}: stopped at {stopped_short(run)}; scoring its export at {images:,} images", file=sys.stderr)
+        short = stopped_short(run)  # a legitimate row (the images column says where), not the run's planned length
+        if short:
+            print(f"{run}: stopped at {short}; scoring its export at {images:,} images", file=sys.stderr)
         for name, prompts in sets.items():
             m = score(pipe, encoder, prompts, cfg, args.noises, args.task["metrics"])
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
