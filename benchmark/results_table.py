@@ -53,6 +53,14 @@ ROWS = [
     # convergence README
     ("tiny-shapes-8", "awm (KL 0.03, EMA 0.99)", "convergence/testbed8/leg18", "awm_full_kl0.03_ema0.99_lr1e-4", None),
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
+    # the long run to the length GRPO's gradient noise scale predicts (testbed8/grpo_long/README.md)
+    (
+        "tiny-shapes-8",
+        "grpo (8 SDE steps, lr 2e-5)",
+        "convergence/testbed8/grpo_long",
+        "grpo_long_sde8_lr2e-5",
+        "convergence/testbed8/grpo_long/export",
+    ),
     ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
     ("tiny-shapes-8", "grpo (TempFlow-GRPO)", "convergence/testbed8/leg14", "grpo_tempflow", None),
