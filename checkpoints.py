@@ -5,7 +5,9 @@ checkpoints (--fsdp) keep their tensors in a DCP folder: shards.py."""
 import errno
 import os
 import random
+import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -274,14 +276,59 @@ def check_checkpoint_fields(ckpt: dict, ckpt_dir: Path):
         )
     for key in ("epoch", "step", "images_seen"):
         value = ckpt.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "epoch" else 0):
-            raise UserError(
-                f"checkpoint {ckpt_dir}: {key} is {value!r}, expected a whole number >= {1 if key == 'epoch' else 0}"
-            )
+        low = 1 if key == "epoch" else 0
+        # the upper end: a count no run reaches that TensorBoard (int64 steps) and float64 still hold exactly
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_COUNT:
+            raise UserError(f"checkpoint {ckpt_dir}: {key} is {value!r}, expected a whole number in [{low}, 2^53]")
     if ckpt_dir.name.startswith("epoch_") and ckpt_dir.name != f"epoch_{ckpt['epoch']:06d}":
         raise UserError(f"checkpoint {ckpt_dir}: it says epoch {ckpt['epoch']}, its folder name another")
     if not isinstance(ckpt.get("args"), dict):
         raise UserError(f"checkpoint {ckpt_dir}: its settings (args) are missing")
+
+
+MAX_COUNT = 2**53
+
+
+def optimizer_state(saved: dict, optimizer) -> dict:
+    """The optimizer state a resume loads: the saved moments and step counts, under this run's own hyper-parameters.
+    A checkpoint's `param_groups` (lr, betas, eps, weight decay, maximize, ...) are never loaded: they come from the
+    run's flags, which `restore_args` checked, so a crafted lr of NaN or 1e30, or `maximize: true`, cannot steer the
+    run. Each saved entry must be AdamW's whole state for its parameter, finite, its second moment >= 0."""
+    live = optimizer.state_dict()
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(live["param_groups"]):
+        raise UserError("its optimizer's parameter groups are not this run's")
+    for g, mine in zip(groups, live["param_groups"]):
+        if not isinstance(g, dict) or g.get("params") != mine["params"]:
+            raise UserError("its optimizer's parameter groups are not this run's")
+    amsgrad = any(g.get("amsgrad") for g in live["param_groups"])
+    expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
+    for i, state in saved["state"].items():
+        if set(state) != expected:
+            missing = sorted(expected - set(state)) or sorted(set(state) - expected)
+            raise UserError(f"its optimizer state of parameter {i} is not AdamW's (at {', '.join(map(str, missing))})")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise UserError(f"its optimizer {key} of parameter {i} is {type(value).__name__}, not a float tensor")
+            if not torch.isfinite(value).all():
+                raise UserError(f"its optimizer {key} of parameter {i} holds NaN or inf")
+        step = state["step"]
+        if step.numel() != 1 or not 0 <= step.item() <= MAX_COUNT or step.item() != int(step.item()):
+            raise UserError(f"its optimizer step of parameter {i} is {step.flatten()[:1].tolist()}, not a count")
+        if (state["exp_avg_sq"] < 0).any():
+            raise UserError(f"its optimizer exp_avg_sq of parameter {i} is negative: not a second moment")
+    return {"state": saved["state"], "param_groups": live["param_groups"]}
+
+
+def check_finite(named: dict, snapshots: dict, eval_ema: EvalEMA):
+    """The weights a resume loaded (trainable, snapshots, eval EMA) hold no NaN or inf: a run saved after its weights
+    went non-finite would train and export NaN without a word (the gradient guard stops a run before it saves such
+    weights, so only a damaged or crafted checkpoint holds them)."""
+    groups = [(f"weight {n}", [p]) for n, p in named.items()]
+    groups += [(f"the {k!r} snapshot", ts) for k, ts in snapshots.items()] + [("the eval EMA", eval_ema.shadow)]
+    for what, tensors in groups:
+        if any(not torch.isfinite(t).all() for t in tensors):
+            raise UserError(f"its {what} holds NaN or inf")
 
 
 def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_ema: EvalEMA, prompt_gen: torch.Generator):
@@ -323,6 +370,54 @@ def check_state_fits(ckpt: dict, named: dict, optimizer, snapshots: dict, eval_e
         for t, v in zip(eval_ema.shadow, saved_ema):
             fits(v, t, "the eval EMA")
     fits(ckpt.get("prompt_gen"), prompt_gen.get_state(), "the prompt generator's state")
+
+
+def check_no_symlinks(run_dir: Path, folders: tuple = ()):
+    """A resumed run writes only inside its folder: refuse a run folder that is a symlink, or has one in it or below it
+    (samples/, checkpoints/, an epoch folder, the export, an events file, resumes.jsonl, .lock, ...). A resume appends,
+    saves and removes old checkpoints through whatever a link points at, outside the folder too. Allowed: the links the
+    run makes itself, checkpoints/last (and the .tmp-last.<pid> a kill can leave) naming an epoch folder beside it. Also
+    refused: a hard link, a FIFO, socket or device, and a file where the run keeps one of its `folders`."""
+    run_dir = Path(run_dir)
+    if run_dir.is_symlink():
+        raise UserError(f"run folder {run_dir} is a symbolic link (to {os.readlink(run_dir)}); resume the folder itself")
+    for folder, dirs, files in os.walk(run_dir):  # walks into no linked folder
+        for name in sorted((*dirs, *files)):
+            path = Path(folder) / name
+            where = f"run folder {run_dir}: {path.relative_to(run_dir)}"
+            if path.is_symlink():
+                if _own_link(run_dir, path):
+                    continue
+                raise UserError(
+                    f"{where} is a symbolic link (to {os.readlink(path)}); a "
+                    "resumed run writes only inside its own folder: put the file or folder itself there"
+                )
+            mode = path.lstat()
+            if stat.S_ISDIR(mode.st_mode):
+                continue
+            if not stat.S_ISREG(mode.st_mode):  # a FIFO would hang the open of .lock or resumes.jsonl; a device worse
+                raise UserError(f"{where} is not a regular file (a FIFO, socket or device); a run folder holds files only")
+            if mode.st_nlink > 1:  # appending to or replacing it would change the other name's file too, outside the run
+                raise UserError(
+                    f"{where} is a hard link ({mode.st_nlink} names for one file); a resumed run writes only inside its "
+                    "own folder: put a copy of the file there"
+                )
+            if folder == str(run_dir) and name in folders:
+                raise UserError(f"{where} is a file, where the run keeps a folder; move it away to resume")
+
+
+def _own_link(run_dir: Path, link: Path) -> bool:
+    """Whether `link` is one `save_checkpoint` makes: checkpoints/last or .tmp-last.<pid>, naming an epoch folder there
+    (or one removed since: `find_checkpoint` then takes the newest)."""
+    target = os.readlink(link)
+    beside = link.parent / target
+    return (
+        link.parent == run_dir / "checkpoints"
+        and (link.name == "last" or link.name.startswith(".tmp-last."))
+        and re.fullmatch(r"epoch_\d+", target) is not None
+        and not beside.is_symlink()
+        and (beside.is_dir() or not beside.exists())
+    )
 
 
 def check_run_folder(run_dir: Path):
@@ -470,12 +565,14 @@ def restore_state(
             load_shards(Path(ckpt["path"]) / SHARDS_DIR, named, optimizer, snapshots, eval_ema)
         else:
             check_state_fits(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
+            opt_state = optimizer_state(ckpt["optimizer"], optimizer)
             load_trainable_state(named, ckpt["params"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            optimizer.load_state_dict(opt_state)
             for key, tensors in snapshots.items():
                 for t, saved in zip(tensors, ckpt["snapshots"][key]):
                     t.copy_(saved)
             eval_ema.load(ckpt.get("eval_ema"))
+            check_finite(named, snapshots, eval_ema)  # loaded in memory only: the run stops before it writes anything
         prompt_gen.set_state(ckpt["prompt_gen"])
         set_rng_state(ckpt["rng"])
     except UserError as e:

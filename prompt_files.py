@@ -5,6 +5,8 @@ nothing of it: the encoder knows a record by its attributes (`text`, `image`, `p
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -42,15 +44,50 @@ class Prompt(str):
         return image_pixels(self.image, size)
 
 
-def load_image(path: Path):
+# the most pixels an image a script reads may declare (checked from its header, before any pixel is decoded): a PNG
+# of a few KB can declare 30000 x 30000 pixels and decode to GBs. 4096 x 4096 is far above any size trained here.
+MAX_IMAGE_PIXELS = 4096 * 4096
+TOO_MANY = f"more than the {MAX_IMAGE_PIXELS:,} an image may have (a decompression bomb?)"
+
+
+def load_image(path: Path, where: Optional[str] = None):
     """An image file as an RGB PIL image, as `diffusers.utils.load_image` reads one for a pipeline: its EXIF
     orientation applied, then converted to RGB (alpha dropped, grey and palette images expanded). The stock edit
     pipelines convert nothing (an RGBA array would reach the VAE with 4 channels), so a card's example loads with
-    `load_image` too."""
+    `load_image` too. The one loader of every image a script reads (prompt images, DPO's pairs, edit sources): a path
+    that is not a regular file (a FIFO would hang the read), a declared size over MAX_IMAGE_PIXELS, and a file PIL
+    cannot decode are each one `UserError` line starting with `where`. 16-bit greyscale (PIL's "I;16" and "I") is
+    scaled to 8 bits, where PIL's convert would clip it to white."""
+    import warnings
+
     from PIL import Image, ImageOps
 
-    with Image.open(path) as image:
-        return ImageOps.exif_transpose(image).convert("RGB")
+    where = where or f"image {path}"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise UserError(f"{where} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UserError(f"{where} is not a regular file (a folder, a pipe or a device)")
+    try:
+        with warnings.catch_warnings():  # PIL's warnings (EXIF, bomb size) would add lines to a one-line refusal
+            warnings.simplefilter("ignore")
+            with Image.open(path) as image:
+                width, height = image.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise UserError(f"{where} declares {width} x {height} pixels, {TOO_MANY}")
+                image = ImageOps.exif_transpose(image)
+                if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+                    wide = np.asarray(image).astype(np.float64)
+                    image = Image.fromarray(np.clip(np.round(wide / 257.0), 0, 255).astype(np.uint8), "L")
+                return image.convert("RGB")
+    except UserError:
+        raise
+    except Image.DecompressionBombError:  # PIL's own cap, checked as it opens: twice its MAX_IMAGE_PIXELS
+        raise UserError(f"{where} declares over {2 * Image.MAX_IMAGE_PIXELS:,} pixels, {TOO_MANY}") from None
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as e:
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise UserError(f"{where} cannot be read as an image ({reason})") from None
 
 
 def image_pixels(path: Path, size: Optional[tuple] = None) -> torch.Tensor:
@@ -72,21 +109,15 @@ _IMAGES = {}  # (file, mtime, size in bytes) -> (width, height, digest): read on
 def read_image(path: Path, where: str, written: str) -> tuple:
     """(width, height, blake2b digest of the bytes) of an image file, every pixel decoded (a truncated file fails
     here, not in training); one `UserError` line naming the prompt file's line otherwise. A symbolic link is followed:
-    an image is only read (the run folder's no-link rule, `run.check_no_symlinks`, is about where a run writes)."""
-    from PIL import Image
-
+    an image is only read (the run folder's no-link rule, `checkpoints.check_no_symlinks`, is about where a run writes)."""
     if not path.exists():
         raise UserError(f"{where}: image {written!r} not found ({path})")
     if not path.is_file():
         raise UserError(f"{where}: image {written!r} is not a regular file ({path})")
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    info = path.stat()
+    key = (str(path.resolve()), info.st_mtime_ns, info.st_size)
     if key not in _IMAGES:
-        try:
-            width, height = load_image(path).size
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            raise UserError(f"{where}: image {written!r} cannot be read as an image ({reason})") from None
+        width, height = load_image(path, f"{where}: image {written!r}").size
         _IMAGES[key] = (width, height, hashlib.blake2b(path.read_bytes(), digest_size=6).hexdigest())
     return _IMAGES[key]
 

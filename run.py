@@ -24,11 +24,11 @@ import numpy as np
 import torch
 import tyro
 
-from checkpoints import check_checkpoint_fields, find_checkpoint, load_checkpoint, script_name
-from common import FAMILIES, REPO, UserError
+from checkpoints import check_checkpoint_fields, check_no_symlinks, find_checkpoint, load_checkpoint, script_name
+from common import FAMILIES, REPO, UserError, short
 from distributed import check_device, env_ranks
 from export import EXPORT_NAMES, LORA_ARGS
-from models import check_model_folder, compile_unavailable, pipeline_config
+from models import check_model_folder, check_pipeline_folder, compile_unavailable, looks_local, pipeline_config
 from prompt_files import Prompt, load_prompts
 
 
@@ -188,6 +188,7 @@ SAFE_OVERRIDES = (
     "eval_guidance_scale",
     "eval_noises",
     "eval_rewards",
+    "test_prompts",
 )
 
 
@@ -199,6 +200,13 @@ REMOTE_TARGETS = ("track", "wandb_project_name", "wandb_entity", "push_to_hub")
 
 NOT_RESTORED = ("device", "output_dir", "resume", "run_name", "argv", *REMOTE_TARGETS)
 
+# what a run reads from disk (or a hub): a resume reads it as the run did, but a path a checkpoint names outside the
+# repository's own assets/ is shown first (a crafted checkpoint could name any file or hub repo), and the files are
+# checked as a fresh run's are. --test-prompts only sets what is evaluated: a resume may name another file.
+PATH_INPUTS = ("model", "train_prompts", "test_prompts", "pairs")
+
+
+MAX_STEPS = 1000
 
 _LOCKS = {}  # run folder -> open lock file, held until `release_run_locks`
 
@@ -229,11 +237,24 @@ def check_args(args, fresh: bool = True):
         "lora_alpha",
         "max_grad_norm",
         "eval_noises",
+        "adv_clip",  # 0 would clip every advantage to 0: nothing trains
     )
     for name in positive:
-        if name in fields and fields[name] <= 0:
+        if name in fields and fields[name] is not None and fields[name] <= 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be > 0")
-    for name in ("keep_checkpoints", "learning_rate", "weight_decay", "eta", "kl_beta", "adv_clip", "off_policy_after"):
+    for name in ("num_steps", "eval_num_steps"):  # a flow model's schedule has 1000 training timesteps
+        if fields.get(name) is not None and fields[name] > MAX_STEPS:
+            raise UserError(f"{_flag(name)} {fields[name]}: at most {MAX_STEPS} sampler steps")
+    for name in (
+        "keep_checkpoints",
+        "learning_rate",
+        "weight_decay",
+        "eta",
+        "kl_beta",
+        "off_policy_after",
+        "clip_low",
+        "clip_high",
+    ):
         if name in fields and fields[name] is not None and fields[name] < 0:
             raise UserError(f"{_flag(name)} {fields[name]}: must be >= 0")
     if fields.get("seed", 0) < 0:
@@ -286,9 +307,8 @@ def check_args(args, fresh: bool = True):
     check_device(args.device)
     check_eval_rewards(args)
     model = Path(args.model).expanduser()
-    if model.exists() or args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:  # a local folder
-        if not (model / "model_index.json").is_file():
-            raise UserError(f"model {args.model!r}: no such pipeline folder (expected {model / 'model_index.json'})")
+    if looks_local(args.model):  # a local folder, not a hub id
+        check_pipeline_folder(args.model)
         check_model_folder(model, args.model)
         for name in ("resolution", "height", "width"):
             if fields.get(name) is not None:
@@ -474,7 +494,19 @@ def restore_args(args, saved: dict) -> dict:
         if f.name in saved and f.name not in NOT_RESTORED and f.name not in overrides:
             value = saved[f.name]
             setattr(args, f.name, tuple(value) if isinstance(value, list) else value)
+    outside = [n for n in PATH_INPUTS if n not in given and isinstance(saved.get(n), str) and not _in_assets(saved[n])]
+    if outside and int(os.environ.get("RANK", "0")) == 0:
+        shown = ", ".join(f"{_flag(n)} {short(saved[n])}" for n in outside)
+        print(f"note: the resumed run reads {shown}, as its checkpoint says", flush=True)
     return overrides
+
+
+def _in_assets(path: str) -> bool:
+    """Whether `path` (as a run saved it: absolute, or relative to where it ran) is inside this repository's assets/."""
+    try:
+        return Path(path).resolve().is_relative_to((REPO / "assets").resolve())
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def restore_servers(args, saved: dict, given: set) -> dict:
@@ -577,9 +609,11 @@ def start_run(args, script_file: str) -> tuple:
         # a reward server's URL (http://host:8000/ocr) names a folder without its slashes: http_host:8000_ocr
         reward = args.reward.replace("://", "_").replace("/", "_")
         args.run_name = f"{reward}__{args.exp_name}__{args.seed}__{int(time.time())}_{os.urandom(3).hex()}"
+        if int(os.environ.get("RANK", "0")) == 0:
+            note_unfinished_runs(args, f"{reward}__{args.exp_name}__{args.seed}__")
         return Path(args.output_dir) / args.run_name, None
     run_dir, ckpt_dir = find_checkpoint(args.resume)
-    check_no_symlinks(run_dir)
+    check_no_symlinks(run_dir, folders=("samples", "checkpoints", *EXPORT_NAMES))
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt.get("algo") != algo:
         raise UserError(
@@ -619,36 +653,31 @@ def start_run(args, script_file: str) -> tuple:
     return run_dir, ckpt
 
 
-def check_no_symlinks(run_dir: Path):
-    """A resumed run writes only inside its folder: refuse a run folder that is a symlink, or has one in it or below it
-    (samples/, checkpoints/, an epoch folder, the export, an events file, resumes.jsonl, .lock, ...). A resume appends,
-    saves and removes old checkpoints through whatever a link points at, outside the folder too. Allowed: the links the
-    run makes itself, checkpoints/last (and the .tmp-last.<pid> a kill can leave) naming an epoch folder beside it."""
-    run_dir = Path(run_dir)
-    if run_dir.is_symlink():
-        raise UserError(f"run folder {run_dir} is a symbolic link (to {os.readlink(run_dir)}); resume the folder itself")
-    for folder, dirs, files in os.walk(run_dir):  # walks into no linked folder
-        for name in sorted((*dirs, *files)):
-            path = Path(folder) / name
-            if path.is_symlink() and not _own_link(run_dir, path):
-                raise UserError(
-                    f"run folder {run_dir}: {path.relative_to(run_dir)} is a symbolic link (to {os.readlink(path)}); a "
-                    "resumed run writes only inside its own folder: put the file or folder itself there"
-                )
+# what two runs of the same command differ in: where and when they ran, not what they compute
+NOT_COMPARED = ("run_name", "resume", "device", "num_epochs", "output_dir")
 
 
-def _own_link(run_dir: Path, link: Path) -> bool:
-    """Whether `link` is one `save_checkpoint` makes: checkpoints/last or .tmp-last.<pid>, naming an epoch folder there
-    (or one removed since: `find_checkpoint` then takes the newest)."""
-    target = os.readlink(link)
-    beside = link.parent / target
-    return (
-        link.parent == run_dir / "checkpoints"
-        and (link.name == "last" or link.name.startswith(".tmp-last."))
-        and re.fullmatch(r"epoch_\d+", target) is not None
-        and not beside.is_symlink()
-        and (beside.is_dir() or not beside.exists())
-    )
+def note_unfinished_runs(args, prefix: str):
+    """A fresh run of the flags of an unfinished run in --output-dir (no export yet: stopped by Ctrl-C, a kill or a
+    crash) says so, and how to go on with it instead: re-running the command starts a new run."""
+    try:
+        folders = sorted(p for p in Path(args.output_dir).glob(f"{prefix}*") if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return
+    mine = _plain_json({f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_COMPARED})
+    for folder in folders:
+        if any((folder / name).exists() for name in EXPORT_NAMES):  # finished: it exported
+            continue
+        try:
+            saved = json.loads((folder / "args.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and all(k in saved and saved[k] == v for k, v in mine.items()):
+            print(
+                f"note: {folder} is an unfinished run of these flags; `--resume {folder}` goes on with it "
+                "(this starts a new run)",
+                flush=True,
+            )
 
 
 def lock_run(run_dir: Path):

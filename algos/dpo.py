@@ -246,13 +246,15 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
     image is read here, before the model loads; the chosen and rejected ones must be RGB-convertible and of one size
     (--height/--width when given). Returns (prompts, chosen [N, H, W, 3] uint8, rejected or None). A problem is one
     UserError naming the line."""
-    from PIL import Image
-
     file = Path(path).expanduser()
+    if file.exists() and not file.is_file():  # a FIFO would hang the read
+        raise common.UserError(f"--pairs {path}: not a regular file (a folder, a pipe or a device)")
     try:
-        lines = file.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
         raise common.UserError(f"--pairs {path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
+    except UnicodeDecodeError as e:
+        raise common.UserError(f"--pairs {path}: not UTF-8 text (byte {e.start}: {e.reason})")
     prompts, images, sizes, kinds, with_image = [], {"chosen": [], "rejected": []}, set(), set(), set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -281,11 +283,12 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
             if not isinstance(row[key], str):
                 raise common.UserError(f'{where}: "{key}" must be an image path')
             image_path = file.parent / row[key]
-            try:
-                with Image.open(image_path) as im:
-                    pixels = np.asarray(im.convert("RGB"))
-            except (OSError, ValueError) as e:
-                raise common.UserError(f"{where}: {key} image {image_path} cannot be read ({type(e).__name__})")
+            # read as every image is (EXIF orientation, 16-bit, a size cap before decoding): the one loader
+            pixels = np.asarray(prompt_files.load_image(image_path, f"{where}: {key} image {image_path}"))
+            if pixels.shape[0] % 8 or pixels.shape[1] % 8:  # the resolution rule of every script (`check_args`)
+                raise common.UserError(
+                    f"{where}: {key} image is {pixels.shape[1]}x{pixels.shape[0]}; sizes must be multiples of 8 pixels"
+                )
             sizes.add(pixels.shape[:2])
             if len(sizes) > 1:
                 raise common.UserError(
@@ -297,7 +300,14 @@ def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
     if not prompts:
         raise common.UserError(f"--pairs {path}: no lines")
     rejected = np.stack(images["rejected"]) if images["rejected"] else None
-    return prompts, np.stack(images["chosen"]), rejected
+    chosen = np.stack(images["chosen"])
+    if rejected is not None:
+        same = int((chosen == rejected).reshape(len(chosen), -1).all(1).sum())
+        if same == len(chosen):  # no preference in any pair: Eq. 14's two sides are one image, its gradient ~0
+            raise common.UserError(f"--pairs {path}: every pair's chosen and rejected images are the same; DPO learns nothing")
+        if same:
+            print(f"note: --pairs {path}: {same} of {len(chosen)} pairs have the same chosen and rejected image", flush=True)
+    return prompts, chosen, rejected
 
 
 def check_pair_images(model: str, prompts: list, size: tuple, flag: str):

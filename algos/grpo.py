@@ -424,6 +424,8 @@ def main(args: Args):
         raise common.UserError(f"--noise-weight {args.noise_weight}: must be >= 0 (0 = off)")
     if args.noise_weight > 0 and args.grpo_guard and args.guard_reweight:
         raise common.UserError("--noise-weight and --grpo-guard's --guard-reweight both weight the steps: pick one")
+    if "window_shift" in run.given_flags(args) and args.window_mode != "sliding":
+        raise common.UserError("--window-shift moves the sliding window: pass --window-mode sliding too, or drop it")
     if min(args.window_shift) < 1:
         raise common.UserError(f"--window-shift {' '.join(map(str, args.window_shift))}: tau and s must be >= 1")
 

@@ -155,6 +155,29 @@ def check_model_folder(local: Path, model: str):
         )
 
 
+def looks_local(model: str) -> bool:
+    """Whether `model` names a local folder rather than a hub id ("owner/name"): it exists, starts like a path, has
+    not exactly one "/", or its first part is a folder here (assets/tiny-shape is a mistyped local path, not a repo)."""
+    local = Path(model).expanduser()
+    return local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1 or local.parent.is_dir()
+
+
+def check_pipeline_folder(model: str):
+    """A local `model` holds a model_index.json; else one line, naming the pipeline folders beside it whose names are
+    close (a typo: assets/tiny-shape for assets/tiny-shapes)."""
+    local = Path(model).expanduser()
+    if (local / "model_index.json").is_file():
+        return
+    near = []
+    if local.parent.is_dir():
+        import difflib
+
+        folders = [p.name for p in local.parent.iterdir() if (p / "model_index.json").is_file()]
+        near = difflib.get_close_matches(local.name, folders, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(str(local.parent / n) for n in near)}?" if near else ""
+    raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'}){hint}")
+
+
 def pipeline_class(model: str) -> str:
     """The pipeline class of a local folder (model_index.json's `_class_name`) or, for a hub id, a guess from its name."""
     local = Path(model).expanduser()
@@ -219,10 +242,8 @@ def load_pipeline(
     import transformers
 
     local = Path(model).expanduser()
-    looks_local = local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
-    if looks_local and not (local / "model_index.json").exists():
-        raise UserError(f"model {model!r}: no such pipeline folder (expected {local / 'model_index.json'})")
-    if looks_local:
+    if looks_local(model):
+        check_pipeline_folder(model)
         check_components(read_model_index(local, model), model)
     cls = pipeline_class(model)
     if cls not in FAMILIES:

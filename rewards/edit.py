@@ -65,10 +65,9 @@ def instruction_of(prompt: str) -> str:
 @functools.lru_cache(maxsize=4096)
 def _detected_scene(key: str, path: str) -> tuple:
     """The objects of a source image, detected once per prompt key (the key holds the file's digest)."""
-    from PIL import Image
+    import prompt_files
 
-    with Image.open(path) as image:
-        pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None].float() / 255
+    pixels = torch.from_numpy(np.array(prompt_files.load_image(path))).permute(2, 0, 1)[None].float() / 255
     found = shapes.components(pixels)[0]
     if not found or not all(is_object(f) for f in found):
         raise ValueError(f"its image {path} is not a scene of the shapes world (a blob that is no shape, or no object)")

@@ -5,12 +5,13 @@ rewards: `--reward http://a:8000/ocr:1.0,http://b:8001/pickscore:0.5`). The wire
 Optional dependencies (FastAPI + uvicorn): `pip install -r rewards/requirements-server.txt`.
 """
 
+import logging
 import socket
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import tyro
@@ -19,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import UserError  # noqa: E402
 from distributed import check_device  # noqa: E402
 from rewards import REWARDS  # noqa: E402
-from rewards.remote import VERSION, decode_png_base64  # noqa: E402
+from rewards.remote import VERSION, decode_png_base64, one_line  # noqa: E402
+
+MAX_REQUEST = 256 << 20  # bytes: a longer request is refused (413) from its Content-Length, before it is read
 
 
 @dataclass
@@ -36,9 +39,18 @@ class Args:
 
 def build_app(fns: dict, device: torch.device):
     """The FastAPI app serving `fns` ({name: reward fn}). A reward not marked `thread_safe` is called once at a time
-    (FastAPI runs each request in a worker thread)."""
-    from fastapi import FastAPI, HTTPException
+    (FastAPI runs each request in a worker thread).
+
+    The clients are not trusted either: a fault is an answer of one line (a client's error, or a reward's ValueError,
+    4xx; a reward's crash, 500) and the same line in the server's log, without a traceback and without the request's
+    content (FastAPI's own answer to a bad request repeats it: 300 MB, or a NaN prompt it cannot encode). A request is
+    at most MAX_REQUEST bytes, refused from its Content-Length before it is read; an image at most MAX_PIXELS, refused
+    from its PNG header before it is decoded (rewards/remote.py)."""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
     from pydantic import BaseModel
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     class ScoreRequest(BaseModel):
         prompts: List[str]
@@ -49,11 +61,58 @@ def build_app(fns: dict, device: torch.device):
 
     app = FastAPI(title="cleanflow reward server")
     locks = {name: threading.Lock() for name in fns}
+    log = logging.getLogger("uvicorn.error")  # uvicorn's own log, as it prints it
+
+    def fault(status: int, message: str) -> JSONResponse:
+        """The answer to a request that failed, and its line in the log."""
+        message = one_line(message)
+        log.log(logging.ERROR if status >= 500 else logging.WARNING, message)
+        return JSONResponse({"detail": message}, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)  # ours below, and the router's (404, 405)
+    async def http_fault(request: Request, e: StarletteHTTPException):
+        return fault(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid"}
+        if first.get("type") == "json_invalid":
+            what = f"the body is not JSON ({first.get('ctx', {}).get('error', 'invalid')})"
+        else:  # where, not what: the input is the client's (and may be big)
+            where = ".".join(str(part) for part in first["loc"][1:]) or str(first["loc"][0])
+            what = f"{where}: {first['msg']}"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return fault(422, f"bad request: {what}{more}")
+
+    @app.middleware("http")
+    async def cap_request(request: Request, call_next):
+        # from the headers, before the body is read: a 300 MB request is refused without reading it
+        if request.method == "POST":
+            length = request.headers.get("content-length")
+            if length is None:  # chunked: its size is known only once read
+                return fault(411, "a request needs a Content-Length")
+            if not length.isdigit():
+                return fault(400, "a Content-Length that is not a number")
+            if int(length) > MAX_REQUEST:
+                cap = f"{MAX_REQUEST} ({MAX_REQUEST >> 20} MiB)"
+                return fault(413, f"the request is {length} bytes, over the cap of {cap}: score fewer images a call")
+        return await call_next(request)
 
     def reward(name: str):
         if name not in fns:
             raise HTTPException(404, f"no reward {name!r} here; this server serves {', '.join(fns)}")
         return fns[name]
+
+    def run(name: str, call: Callable):
+        """`call()`, the reward's work: its ValueError (UserError included) is the client's error, as a prompt the
+        reward cannot score (422); any other exception its own crash (500). Both one line, no traceback."""
+        try:
+            return call()
+        except ValueError as e:
+            raise HTTPException(422, str(e))
+        except Exception as e:
+            raise HTTPException(500, f"reward {name} failed: {type(e).__name__}: {e}")
 
     @app.get("/")
     def info():
@@ -66,16 +125,18 @@ def build_app(fns: dict, device: torch.device):
             raise HTTPException(422, f"{len(request.images)} images for {len(request.prompts)} prompts")
         try:
             images = decode_png_base64(request.images).to(device)
+        except UserError as e:  # over a cap: its own message
+            raise HTTPException(422, str(e))
         except Exception as e:  # any undecodable image is the client's error, reported in one line
             raise HTTPException(422, f"the images are not base64 PNGs of one size ({type(e).__name__}: {e})")
-        try:
+
+        def call():
             if getattr(fn, "thread_safe", False):
-                value = fn(images, request.prompts)
-            else:
-                with locks[name]:
-                    value = fn(images, request.prompts)
-        except UserError as e:
-            raise HTTPException(422, str(e))
+                return fn(images, request.prompts)
+            with locks[name]:
+                return fn(images, request.prompts)
+
+        value = run(name, call)
         if not isinstance(value, torch.Tensor) or value.shape != (len(request.prompts),):
             raise HTTPException(500, f"reward {name!r} returned {getattr(value, 'shape', type(value).__name__)}")
         if not torch.isfinite(value).all():  # JSON has no NaN: say so instead of failing to encode
@@ -85,19 +146,23 @@ def build_app(fns: dict, device: torch.device):
     @app.post("/{name}/check")
     def check(name: str, request: CheckRequest):
         fn = reward(name)
-        try:
-            if hasattr(fn, "check_prompts"):
-                fn.check_prompts(request.prompts)
-        except UserError as e:
-            raise HTTPException(422, str(e))
+        if hasattr(fn, "check_prompts"):
+            run(name, lambda: fn.check_prompts(request.prompts))
         return {}
 
     return app
 
 
+def serve(app, sock: socket.socket):
+    """Serves `app` on the bound socket `sock` until the process ends; the log shows warnings and errors only."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
 def main(args: Args):
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (serve's; checked here, before the models load)
     except ImportError as e:
         raise UserError(f"the reward server needs FastAPI and uvicorn ({e}): pip install -r rewards/requirements-server.txt")
     names = [n.strip() for n in args.reward.split(",")]
@@ -115,7 +180,7 @@ def main(args: Args):
         raise UserError(f"cannot listen on {args.host}:{args.port} ({getattr(e, 'strerror', None) or e})")
     fns = {name: REWARDS[name](device) for name in names}
     print(f"serving {', '.join(names)} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.Server(uvicorn.Config(build_app(fns, device), log_level="warning", access_log=False)).run(sockets=[sock])
+    serve(build_app(fns, device), sock)
 
 
 if __name__ == "__main__":

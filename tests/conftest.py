@@ -1,3 +1,4 @@
+import importlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,23 @@ import torch
 import models  # noqa: F401  (registers the model families with common)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def importable(*modules: str) -> bool:
+    """Whether every module imports here (an optional extra installed): a test of an extra skips, saying what to install,
+    on a machine with the README's install only."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+# the ocr reward's extra (rewards/requirements-ocr.txt): not in the README's install, so its tests skip without it
+needs_ocr = pytest.mark.skipif(
+    not importable("rapidocr", "onnxruntime"), reason="the ocr reward needs pip install -r rewards/requirements-ocr.txt"
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub
 torch.set_num_threads(min(2, torch.get_num_threads()))

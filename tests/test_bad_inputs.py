@@ -4,6 +4,7 @@ writes nothing: no run folder appears, an existing run stays byte for byte as it
 The scripts run in-process (`run.run_main` on tyro-parsed flags, as `python algos/<algo>.py` does), so the whole
 table takes seconds; only what needs a process of its own (a signal) runs as a subprocess."""
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -16,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import run_in_process, run_script
+from conftest import needs_ocr, run_in_process, run_script
 from PIL import Image
 
 import checkpoints
 import common
 import export
 import models
+import prompt_files
 import run
 from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, nft
 
@@ -163,8 +165,34 @@ SPECIFIC = [
     ("awm", "--test-prompts {tmp}/image-folder.jsonl", "image-folder.jsonl:1: image 'bad-json' is not a regular file"),
     ("elbo_grpo", "--train-prompts {tmp}/image-mixed.jsonl", "image-mixed.jsonl:2: every line of a prompt file carries an"),
     ("nft", "--train-prompts {tmp}/image.jsonl", "--train-prompts {tmp}/image.jsonl: its prompts carry reference images"),
+    # every image a script reads goes through one loader (prompt_files.load_image): size cap from the header, FIFOs
+    (
+        "nft",
+        "--train-prompts {tmp}/image-bomb.jsonl",
+        "image 'bomb.png' declares over 178,956,970 pixels, more than the 16,777,216",
+    ),
+    (
+        "dpo",
+        "--pairs {tmp}/pairs-bomb.jsonl",
+        "chosen image {tmp}/big.png declares 5000 x 5000 pixels, more than the 16,777,216 an image may have",
+    ),
+    ("dpo", "--pairs {tmp}/pairs-fifo-image.jsonl", "chosen image {tmp}/fifo.png is not a regular file"),
+    ("dpo", "--pairs {tmp}/fifo.png", "--pairs {tmp}/fifo.png: not a regular file"),
+    ("dpo", "--pairs {tmp}/pairs-latin1.jsonl", "--pairs {tmp}/pairs-latin1.jsonl: not UTF-8 text (byte"),
+    ("dpo", "--pairs {tmp}/pairs-1x1.jsonl", "chosen image is 1x1; sizes must be multiples of 8 pixels"),
+    ("dpo", "--pairs {tmp}/pairs-same.jsonl", "every pair's chosen and rejected images are the same; DPO learns nothing"),
+    # a mistyped local folder (one "/", like a hub id) is a folder not found, with the near names, not a hub id
+    ("nft", "--model assets/tiny-shape", "no such pipeline folder (expected assets/tiny-shape/model_index.json); did you"),
+    # range checks
+    ("awm", "--clip-low=-1", "--clip-low -1.0: must be >= 0"),
+    ("grpo", "--clip-high=-0.1", "--clip-high -0.1: must be >= 0"),
+    ("crd", "--adv-clip 0", "--adv-clip 0.0: must be > 0"),
+    ("nft", "--num-steps 1000000000", "--num-steps 1000000000: at most 1000 sampler steps"),
+    ("grpo", "--window-shift 25 1", "--window-shift moves the sliding window: pass --window-mode sliding too"),
 ]
 CASES = [(algo, flags, msg) for flags, msg in SHARED.items() for algo in ALGOS] + SPECIFIC
+# the ocr reward's prompt check runs its engine's package: without the extra, the case is its install line instead
+CASES = [pytest.param(a, f, m, marks=needs_ocr if "--reward ocr" in f else (), id=f"{a}:{f}") for a, f, m in CASES]
 
 
 @pytest.fixture
@@ -190,6 +218,17 @@ def files(tmp_path):
     (tmp_path / "image-cut.jsonl").write_text(edit % '"cut.png"')
     (tmp_path / "image-folder.jsonl").write_text(edit % '"bad-json"')
     (tmp_path / "image-mixed.jsonl").write_text(edit % '"scene.png"' + '{"prompt": "a red circle"}\n')
+    png_header(tmp_path / "bomb.png", 30000, 30000)  # a few bytes that declare 900M pixels
+    (tmp_path / "image-bomb.jsonl").write_text(edit % '"bomb.png"')
+    os.mkfifo(tmp_path / "fifo.png")  # an open() for reading would wait for a writer forever
+    pair = '{"prompt": "a red circle", "chosen": "%s", "rejected": "%s"}\n'
+    png_header(tmp_path / "big.png", 5000, 5000)  # past our cap, under PIL's own
+    (tmp_path / "pairs-bomb.jsonl").write_text(pair % ("big.png", "scene.png"))
+    (tmp_path / "pairs-fifo-image.jsonl").write_text(pair % ("fifo.png", "scene.png"))
+    (tmp_path / "pairs-latin1.jsonl").write_bytes(('{"prompt": "caf\xe9"}\n').encode("latin-1"))
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    (tmp_path / "pairs-1x1.jsonl").write_text(pair % ("dot.png", "dot.png"))
+    (tmp_path / "pairs-same.jsonl").write_text(pair % ("scene.png", "scene.png") * 2)
     (tmp_path / "bad-json").mkdir()
     (tmp_path / "bad-json" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",')
     (tmp_path / "custom-module").mkdir()  # a component whose class is code in the folder (my_vae.py)
@@ -199,6 +238,19 @@ def files(tmp_path):
     index = (Path(common.TINY_MODEL) / "model_index.json").read_text()
     (tmp_path / "flux-over-sd3" / "model_index.json").write_text(index.replace("StableDiffusion3Pipeline", "FluxPipeline"))
     return tmp_path
+
+
+def png_header(path: Path, width: int, height: int):
+    """A PNG whose header declares `width` x `height` 8-bit RGB pixels, with no pixel data: what a decompression bomb
+    shows a reader before it decodes."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
 
 def call(algo: str, argv: list, capsys) -> tuple:
@@ -227,7 +279,7 @@ def assert_one_line(rc, err, expected):
     return line
 
 
-@pytest.mark.parametrize("algo, flags, expected", CASES, ids=[f"{a}:{f}" for a, f, _ in CASES])
+@pytest.mark.parametrize("algo, flags, expected", CASES)
 def test_bad_input_one_line_exit_2_nothing_written(algo, flags, expected, files, capsys, monkeypatch):
     loaded, load = [], models.load_pipeline
     monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: loaded.append(a) or load(*a, **k))
@@ -350,7 +402,12 @@ RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piec
         "a pickled checkpoint of an older cleanflow",
     ),
     # a crafted epoch would retrain from there and overwrite the run's epoch folders
-    "negative epoch": ("nft", "", _edit_state(lambda st: st.update(epoch=-5)), "epoch is -5, expected a whole number >= 1"),
+    "negative epoch": (
+        "nft",
+        "",
+        _edit_state(lambda st: st.update(epoch=-5)),
+        "epoch is -5, expected a whole number in [1, 2^53]",
+    ),
     "epoch not its folder's": ("nft", "--num-epochs 9", _edit_state(lambda st: st.update(epoch=3)), "it says epoch 3"),
     "float counter": ("nft", "", _edit_state(lambda st: st.update(images_seen=2.5)), "images_seen is 2.5"),
     "unknown entry": ("nft", "", _edit_state(lambda st: st.update(hook="x")), "unknown entries hook"),
@@ -381,6 +438,60 @@ RESUME_CASES = {  # (script, extra flags, what to do to the run first) -> a piec
         "torch.float64, expected",
     ),
     "missing weight": ("nft", "", _edit_weights(lambda t: _first_param(t, lambda v: v[:0])), "does not fit this run"),
+    # every saved number checked finite and in range before training
+    "NaN weight": ("nft", "", _edit_weights(lambda t: _first_param(t, lambda v: v * float("nan"))), "holds NaN or inf"),
+    "huge counter": ("nft", "", _edit_state(lambda st: st.update(images_seen=2**80)), "expected a whole number in [0, 2^53]"),
+    "endless sampler": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["args"].update(num_steps=10**9)),
+        "--num-steps 1000000000: at most 1000 sampler steps",
+    ),
+    "missing moment": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["optimizer"]["state"][0].pop("exp_avg")),
+        "its optimizer state of parameter 0 is not AdamW's (at exp_avg)",
+    ),
+    "string moment": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["optimizer"]["state"][0].update(exp_avg_sq="big")),
+        "its optimizer exp_avg_sq of parameter 0 is str, not a float tensor",
+    ),
+    "NaN moment": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["optimizer"]["state"][0]["exp_avg"].fill_(float("nan"))),
+        "its optimizer exp_avg of parameter 0 holds NaN or inf",
+    ),
+    "foreign parameter groups": (
+        "nft",
+        "",
+        _edit_state(lambda st: st["optimizer"]["param_groups"].append(dict(st["optimizer"]["param_groups"][0]))),
+        "its optimizer's parameter groups are not this run's",
+    ),
+    # run-folder entries that are not what they seem: each would hang the resume, fail it after it wrote, or write
+    # outside the folder
+    ".lock a FIFO": (
+        "nft",
+        "",
+        lambda run: (run / ".lock").unlink() or os.mkfifo(run / ".lock"),
+        ".lock is not a regular file (a FIFO",
+    ),
+    "resumes.jsonl a FIFO": ("nft", "", lambda run: os.mkfifo(run / "resumes.jsonl"), "resumes.jsonl is not a regular"),
+    "samples a file": (
+        "nft",
+        "",
+        lambda run: shutil.rmtree(run / "samples", ignore_errors=True) or (run / "samples").write_text("x"),
+        "samples is a file, where the run keeps a folder",
+    ),
+    "hard-linked resumes.jsonl": (
+        "nft",
+        "",
+        lambda run: (run / "resumes.jsonl").write_text("") or os.link(run / "resumes.jsonl", run.parent / "elsewhere"),
+        "resumes.jsonl is a hard link (2 names for one file)",
+    ),
 }
 
 
@@ -429,9 +540,84 @@ def test_resume_restores_the_saved_flags(run_copy, capsys):
     args = tyro.cli(nft.Args, args=argv)
     run.run_main(nft.main, args, argv=argv)
     assert args.num_prompts == 2 and args.num_steps == 4 and args.num_train_timesteps == 1 and args.eval_every == 5
+    # the run's test prompts are outside the repository's assets: the resume shows what it reads
+    test_prompts = json.loads(args_json)["test_prompts"]
+    assert f"note: the resumed run reads --test-prompts {test_prompts!r}, as its checkpoint says" in capsys.readouterr().out
     assert checkpoints.load_checkpoint(run_copy)["epoch"] == 2
     assert (run_copy / "args.json").read_bytes() == args_json
     assert len((run_copy / "resumes.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_checkpoint_never_sets_the_optimizer_hyper_parameters(run_copy, tmp_path):
+    """A crafted state.pt's param_groups (lr 1e30, maximize, NaN weight decay) are not loaded: the resumed run steps
+    with its flags' hyper-parameters and ends bit for bit where a resume of the untouched run ends."""
+    clean = tmp_path / "clean" / run_copy.name
+    shutil.copytree(run_copy, clean, symlinks=True)
+    crafted = dict(lr=1e30, maximize=True, weight_decay=float("nan"), betas=(0.0, 0.0))
+    _edit_state(lambda st: st["optimizer"]["param_groups"][0].update(crafted))(run_copy)
+    for folder in (run_copy, clean):
+        argv = ["--resume", str(folder), "--num-epochs", "2"]
+        run.run_main(nft.main, tyro.cli(nft.Args, args=argv), argv=argv)
+    a, b = checkpoints.load_checkpoint(run_copy), checkpoints.load_checkpoint(clean)
+    (group,) = a["optimizer"]["param_groups"]
+    assert group["lr"] == 0.003 and group["maximize"] is False and group == b["optimizer"]["param_groups"][0]
+    assert a["params"].keys() == b["params"].keys()
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def test_a_resume_may_evaluate_on_other_test_prompts(run_copy, tmp_path, capsys):
+    """--test-prompts sets only what is evaluated: a resume may name another file (recorded in resumes.jsonl), and then
+    shows no checkpoint path for it."""
+    other = tmp_path / "other.txt"
+    other.write_text("a blue square\n")
+    argv = ["--resume", str(run_copy), "--num-epochs", "2", "--test-prompts", str(other)]
+    args = tyro.cli(nft.Args, args=argv)
+    capsys.readouterr()
+    run.run_main(nft.main, args, argv=argv)
+    assert args.test_prompts == str(other) and "--test-prompts" not in capsys.readouterr().out
+    (record,) = [json.loads(line) for line in (run_copy / "resumes.jsonl").read_text().splitlines()]
+    assert record["overrides"]["test_prompts"]["now"] == str(other)
+
+
+def test_one_image_loader_converts_16_bit_and_applies_exif_orientation(tmp_path):
+    """16-bit greyscale is scaled to 8 bits (PIL's convert clips it to white); a pairs file's images are turned by
+    their EXIF orientation as prompt images are; both through the one loader."""
+    grey = np.arange(64, dtype=np.uint16).reshape(8, 8) * 4
+    Image.fromarray(grey * 257).save(tmp_path / "deep.png")  # 16-bit PNG of the 8-bit values grey
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    loaded = np.asarray(prompt_files.load_image(tmp_path / "deep.png"))
+    assert np.array_equal(loaded, np.repeat(grey.astype(np.uint8)[..., None], 3, axis=2))
+    wide = np.random.default_rng(1).integers(0, 256, (8, 16, 3), dtype=np.uint8)  # 16 wide, 8 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: turn 90 degrees clockwise to view
+    Image.fromarray(wide).save(tmp_path / "turned.png", exif=exif)
+    Image.fromarray(np.rot90(wide, -1).copy()).save(tmp_path / "upright.png")
+    Image.fromarray(np.zeros((16, 8, 3), np.uint8)).save(tmp_path / "other.png")  # upright size
+    line = '{"prompt": "a red circle", "chosen": "%s", "rejected": "other.png"}\n'
+    (tmp_path / "pairs.jsonl").write_text(line % "turned.png" + line % "upright.png")
+    _, chosen, _ = dpo.load_pairs(str(tmp_path / "pairs.jsonl"), None, None)
+    assert chosen.shape == (2, 16, 8, 3) and np.array_equal(chosen[0], chosen[1])
+    assert np.array_equal(chosen[0], np.rot90(wide, -1))
+
+
+def test_a_fresh_run_of_an_unfinished_runs_flags_says_how_to_resume(run_copy, capsys):
+    """Re-running the command of a run stopped before its export (Ctrl-C, a kill) starts a new run, and says that the
+    unfinished one exists and how to go on with it; a finished run, or other flags, say nothing."""
+    saved = json.loads((run_copy / "args.json").read_text())
+    fields = {f.name for f in dataclasses.fields(nft.Args)}
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields}
+
+    def start(**changes):
+        args = nft.Args(**{**flags, "output_dir": str(run_copy.parent), **changes})
+        run.start_run(args, nft.__file__)
+        return capsys.readouterr().out
+
+    assert start() == ""  # finished: it exported
+    shutil.rmtree(run_copy / "lora")
+    assert f"note: {run_copy} is an unfinished run of these flags; `--resume {run_copy}` goes on with it" in start()
+    assert start(num_epochs=5) != ""  # a longer run of the same flags is the same run, gone on
+    assert start(seed=2) == "" and start(learning_rate=0.1) == ""
+    assert sorted(p.name for p in run_copy.parent.iterdir()) == [run_copy.name]  # nothing written
 
 
 def test_fresh_run_names_are_unique(files):

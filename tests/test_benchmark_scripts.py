@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import tyro
-from conftest import run_script
+from conftest import needs_ocr, run_script
 
 import distributed
 
@@ -423,6 +423,7 @@ def test_base_row_gives_best_of_k_only_up_to_its_noises():
     assert "best_of_4_per_prompt" not in base_row({k: v[:2] for k, v in m.items()}, 1.0, "test")
 
 
+@needs_ocr
 def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
     """convergence.ocr_metrics on rendered words (read back exactly): exact is the reward's 1.0, the gap is the score
     minus the same image's reward for the next prompt, computed here with the reward itself."""

@@ -162,7 +162,8 @@ def test_pairs_of_the_wrong_size_for_the_model_or_flags(tmp_path, capsys):
         if not flags:  # the tiny model's native 64x64, and a file of 32x32 images
             small.mkdir(exist_ok=True)
             Image.new("RGB", (32, 32)).save(small / "a.png")
-            (small / "pairs.jsonl").write_text(json.dumps({"prompt": "a red circle", "chosen": "a.png", "rejected": "a.png"}))
+            Image.new("RGB", (32, 32), (255, 255, 255)).save(small / "b.png")
+            (small / "pairs.jsonl").write_text(json.dumps({"prompt": "a red circle", "chosen": "a.png", "rejected": "b.png"}))
             pairs = small / "pairs.jsonl"
         rc = run_in_process(dpo, offline_argv(tmp_path, pairs, *flags))
         (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "Loading" not in x]

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import needs_ocr
 from PIL import Image, ImageDraw, ImageFont
 
 import rewards
@@ -43,29 +44,34 @@ def rendered(request):
 # ----------------------------------------------------------------------------------------------------------------
 # the score on rendered images
 # ----------------------------------------------------------------------------------------------------------------
+@needs_ocr
 def test_rendered_words_score_one(reward, rendered):
     scores = reward(rendered, prompts_for(WORDS))
     assert scores.shape == (len(WORDS),) and scores.dtype == torch.float32
     assert scores.mean() >= 0.9 and scores.min() >= 0.5, scores
 
 
+@needs_ocr
 def test_multi_word_text_is_read(reward):
     phrases = ["Hello World", "Step Goal", "Forever Yours"]
     scores = reward(torch.stack([render(p, 128) for p in phrases]), prompts_for(phrases))
     assert scores.mean() >= 0.9, scores
 
 
+@needs_ocr
 def test_wrong_words_score_clearly_lower(reward, rendered):
     right = reward(rendered, prompts_for(WORDS))
     wrong = reward(rendered, prompts_for(WORDS[1:] + WORDS[:1]))
     assert wrong.mean() <= 0.3 and (right - wrong).min() >= 0.5, (right, wrong)
 
 
+@needs_ocr
 def test_one_wrong_letter_loses_one_over_length(reward):
     score = reward(render("hallo", 128)[None], prompts_for(["hello"]))
     assert score.item() == pytest.approx(0.8)
 
 
+@needs_ocr
 def test_noise_and_blank_images_score_low(reward):
     noise = torch.rand(len(WORDS), 3, 64, 64, generator=torch.Generator().manual_seed(0))
     assert reward(noise, prompts_for(WORDS)).max() < 0.3
@@ -73,6 +79,7 @@ def test_noise_and_blank_images_score_low(reward):
     assert reward(blank, prompts_for(WORDS[:2])).max() == 0
 
 
+@needs_ocr
 def test_registered_and_batch_checked(rendered):
     fn = rewards.REWARDS["ocr"]("cpu")
     assert fn(rendered[:2], prompts_for(WORDS[:2])).shape == (2,)
@@ -80,12 +87,14 @@ def test_registered_and_batch_checked(rendered):
         fn(rendered[:3], prompts_for(WORDS[:2]))
 
 
+@needs_ocr
 def test_prompts_are_checked_when_the_reward_loads():
     rewards.load_rewards("ocr", "cpu", prompts_for(WORDS))  # fine
     with pytest.raises(UserError, match="double quotes"):
         rewards.load_rewards("shapes:1,ocr:0.5", "cpu", ["a red circle"])
 
 
+@needs_ocr
 def test_eval_adds_exact_spelling_rate():
     """`ocr_strict` (the run's eval/ocr_strict and the tables' "final strict") is 1 exactly when the word is right."""
     images = torch.stack([render("hallo", 128), render("hello", 128)])
@@ -141,6 +150,7 @@ def test_quoted_text():
         assert "\n" not in str(error.value)
 
 
+@needs_ocr
 def test_prompt_without_quotes_is_a_user_error(reward, rendered):
     with pytest.raises(UserError, match="double quotes"):
         reward(rendered[:1], ["a cat"])
@@ -158,6 +168,7 @@ def test_missing_package_says_what_to_install(monkeypatch, module):
     assert "\n" not in message and "pip install -r rewards/requirements-ocr.txt" in message and module in message
 
 
+@needs_ocr
 def test_runs_offline(monkeypatch):
     from rapidocr.utils.download_file import DownloadFile
 

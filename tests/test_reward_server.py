@@ -2,20 +2,28 @@
 served scores equal the local reward's, a training run through a server equals the local run bit for bit in every
 script, several servers combine by weighted sum and GDPO, faults (down, slow, HTML, wrong length, NaN) stop with one
 line, and a server killed mid-run stops the run cleanly, which then resumes exactly once the server is back (at the
-URL given again: a checkpoint never sets one)."""
+URL given again: a checkpoint never sets one). Neither side trusts the other: a redirect, an answer that drips, one
+too big or malformed JSON is one line on the client; a bad request, or a reward that raises, is a 4xx or 500 of one
+line, and one line in the server's log."""
 
+import base64
+import http.client
 import json
 import math
 import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_group, run_script, start_script
+from conftest import REPO, kill_group, run_script, start_script
 from test_algos import FLAGS, _wait_for_checkpoint, assert_same_state, script_argv, write_prompts
 from test_ocr import render as render_word
 
@@ -79,7 +87,7 @@ class Misbehaving(BaseHTTPRequestHandler):
     scoring with what their name says; a GET of anything but / is a web page (a URL pointing at some other web
     server)."""
 
-    served = ["html", "short", "nan", "strings", "error", "slow"]
+    served = ["html", "short", "nan", "strings", "error", "slow", "drip", "drip_headers", "huge", "huge_stream"]
 
     def do_GET(self):
         if self.path == "/":
@@ -105,6 +113,28 @@ class Misbehaving(BaseHTTPRequestHandler):
         elif name == "slow":
             time.sleep(3)
             self.reply(200, "application/json", json.dumps({"scores": [0.5] * n}))
+        elif name in ("drip", "drip_headers"):  # a byte every 0.1 s (in the body or the headers) for 1.5 s
+            self.send_response(200)
+            if name == "drip":
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+            else:
+                self.flush_headers()  # the status line, then a header line that never ends
+            self.write([b" "] * 15, pause=0.1)
+        elif name in ("huge", "huge_stream"):  # 65 MiB, announced by a Content-Length or read until the connection ends
+            self.send_response(200)
+            if name == "huge":
+                self.send_header("Content-Length", str(65 << 20))
+            self.end_headers()
+            self.write([b" " * (1 << 20)] * 65)
+
+    def write(self, pieces: list, pause: float = 0.0):
+        try:
+            for piece in pieces:
+                time.sleep(pause)
+                self.wfile.write(piece)
+        except OSError:  # the client hung up, as it should
+            pass
 
     def reply(self, status: int, kind: str, body: str):
         self.send_response(status)
@@ -202,9 +232,13 @@ def test_reward_spec_with_urls():
         ("strings", r"/strings: expected \{'scores': \[numbers\]\}"),
         ("error", r"/error: HTTP 500: CUDA out of memory"),
         ("slow", r"/slow: no answer within 0.5 s \(3 tries\)"),
+        # each read comes in time, the answer never does: the timeout is for the whole request
+        ("drip", r"/drip: no answer within 0.5 s \(3 tries\)"),
+        ("drip_headers", r"/drip_headers: no answer within 0.5 s \(3 tries\)"),
     ],
 )
-def test_garbage_answers_are_one_line(misbehaving, name, message):
+def test_garbage_answers_are_one_line(misbehaving, name, message, monkeypatch):
+    monkeypatch.setattr(remote, "BACKOFF", 0.0)
     fn = remote.remote(f"{misbehaving}/{name}", timeout=0.5)
     with pytest.raises(UserError, match=message):
         fn(torch.rand(4, 3, 8, 8), ["a red circle"] * 4)
@@ -301,6 +335,271 @@ def test_server_refuses_bad_requests(servers):
     ]:
         with pytest.raises(UserError, match=f"HTTP 422: {message}"):
             remote._request(f"{base}/jpeg_compressibility", payload, 10.0)
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """A reward server serving `r` whose answers a test scripts: `answers` maps a request ("GET /", "POST /r/check",
+    "POST /r") to (status, headers, body); the others get a good server's answer (for 4 images). Each request is noted
+    in `seen`."""
+
+    answers: dict = {}
+    seen: list = []
+
+    def do_GET(self):
+        self.answer()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer()
+
+    def answer(self):
+        request = f"{self.command} {self.path}"
+        self.seen.append(request)
+        good = {"GET /": {"version": 1, "rewards": ["r"]}, "POST /r/check": {}, "POST /r": {"scores": [0.5] * 4}}
+        status, headers, body = self.answers.get(request, (200, {}, json.dumps(good.get(request))))
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    """A factory of `Scripted` servers: answers -> (base URL, the requests it saw); all stopped at the end."""
+    servers = []
+
+    def start(answers: dict):
+        handler = type("Script", (Scripted,), {"answers": answers, "seen": []})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", handler.seen
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def load_check_score(url: str):
+    """What a run asks a reward server, in order: GET / (remote), POST /r/check (the prompt check), POST /r (scores)."""
+    fn = remote.remote(url, timeout=2.0)
+    fn.check_prompts(["a red circle"] * 4)
+    return fn(torch.rand(4, 3, 8, 8), ["a red circle"] * 4)
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("request_", ["GET /", "POST /r/check", "POST /r"])
+def test_a_redirect_is_not_followed(scripted, request_, status):
+    """A server that redirects the start-up GET /, the prompt check or the scoring to another host: one line naming the
+    status and where it points (masked), and the other host is never asked (the run would train on its scores)."""
+    elsewhere, seen = scripted({})
+    location = elsewhere.replace("://", "://user:secret@") + "/r?key=secret"
+    base, _ = scripted({request_: (status, {"Location": location}, "")})
+    shown = elsewhere.replace("://", "://user:***@") + "/r?***"
+    with pytest.raises(UserError) as e:
+        load_check_score(f"{base}/r")
+    url = base + request_.split()[1]
+    assert (
+        str(e.value) == f"reward server {url}: HTTP {status} redirect (to '{shown}') not followed: give the server's own URL"
+    )
+    assert seen == []
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
+
+
+@pytest.mark.parametrize(
+    "request_, status, body, message",
+    [
+        ("GET /", 200, '{"version": 1, "rewards": [1, 2]}', ': not a cleanflow reward server of version 1: {"version": 1'),
+        ("GET /", 200, '{"version": 1, "rewards": [{"a": 1}]}', ": not a cleanflow reward server of version 1: {"),
+        ("GET /", 200, '{"version": 1, "rewards": []}', ': not a cleanflow reward server of version 1: {"version": 1'),
+        ("GET /", 200, DEEP, "/: the answer is JSON nested too deeply to read"),
+        ("GET /", 200, '{"version": 1, "rewards": ' + DEEP + "}", "/: the answer is JSON nested too deeply to read"),
+        ("GET /", 500, '{"detail": ' + DEEP + "}", '/: HTTP 500: {"detail": [[[[[[[['),
+        ("POST /r/check", 200, DEEP, "/r/check: the answer is JSON nested too deeply to read"),
+        ("POST /r/check", 422, '{"detail": ' + DEEP + "}", '/r/check: HTTP 422: {"detail": [[[[[[[['),
+        ("POST /r", 200, '{"scores": ' + DEEP + "}", "/r: the answer is JSON nested too deeply to read"),
+        ("POST /r", 200, '{"scores": [' + "9" * 400 + ", 0, 0, 0]}", "/r: NaN or inf for 1 of 4 images"),  # > float max
+        ("POST /r", 200, '{"scores": [' + "9" * 5000 + ", 0, 0, 0]}", "/r: the answer is not JSON"),  # > int digits
+    ],
+)
+def test_malformed_answers_are_one_line(scripted, request_, status, body, message):
+    """Whatever the start-up GET /, the prompt check or the scoring answers, the run stops with one short line."""
+    base, _ = scripted({request_: (status, {}, body)})
+    with pytest.raises(UserError) as e:
+        load_check_score(f"{base}/r")
+    assert str(e.value).startswith(f"reward server {base}{message}"), str(e.value)[:1000]
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500
+
+
+@pytest.mark.parametrize("name", ["huge", "huge_stream"])
+def test_an_answer_over_the_cap_is_one_line(misbehaving, name):
+    """65 MiB of answer, announced by its Content-Length (refused before reading it) or streamed until the server hangs
+    up (refused once 64 MiB are read): one line, however much a server would send."""
+    fn = remote.remote(f"{misbehaving}/{name}", timeout=10.0)
+    with pytest.raises(UserError, match=rf"^reward server {misbehaving}/{name}: the answer is over 64 MiB"):
+        fn(torch.rand(4, 3, 8, 8), ["a red circle"] * 4)
+
+
+# the server's side: `build_app` and `serve`, as `main` runs them, serving toy rewards that fail in every way
+TOY_SERVER = """
+import socket, sys
+import torch
+from common import UserError
+from rewards import server
+
+def ok(images, prompts):
+    return torch.full((len(prompts),), 0.5)
+
+def value_error(images, prompts):
+    raise ValueError("no shape named in 'a dog'")
+
+def user_error(images, prompts):
+    raise UserError("the ocr reward needs the text to write in double quotes")
+
+def runtime_error(images, prompts):
+    raise RuntimeError("CUDA error: an illegal memory access\\nCompile with TORCH_USE_CUDA_DSA")
+
+def check_refuses(prompts):
+    raise ValueError("prompt 0 names no shape")
+
+def check_crashes(prompts):
+    raise KeyError("vocabulary")
+
+value_error.check_prompts, runtime_error.check_prompts = check_refuses, check_crashes
+sock = socket.socket()
+sock.bind(("127.0.0.1", int(sys.argv[1])))
+fns = {"ok": ok, "value_error": value_error, "user_error": user_error, "runtime_error": runtime_error}
+server.serve(server.build_app(fns, torch.device("cpu")), sock)
+"""
+
+
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory):
+    """The toy reward server on a free port, its log (stdout and stderr) in a file: (base URL, log path)."""
+    for package in ("fastapi", "uvicorn"):
+        pytest.importorskip(package, reason="the reward server needs pip install -r rewards/requirements-server.txt")
+    log, port = tmp_path_factory.mktemp("toy") / "server.log", free_port()
+    with open(log, "wb") as out:
+        argv = [sys.executable, "-c", TOY_SERVER, str(port)]
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        kill_group(proc)
+        proc.wait()
+
+
+def png_claiming(width: int, height: int) -> str:
+    """A base64 PNG whose header says width x height pixels (its data is an 8x8 image's): decoding it would allocate
+    what the header says."""
+    raw = bytearray(base64.b64decode(remote.png_base64(torch.zeros(1, 3, 8, 8))[0]))
+    raw[16:24] = struct.pack(">II", width, height)  # IHDR's data follows the signature, its length and its type
+    raw[29:33] = struct.pack(">I", zlib.crc32(raw[12:29]))  # the chunk's CRC covers its type and data
+    return base64.b64encode(raw).decode()
+
+
+ECHO = "ECHO" * 1000  # input that neither the answer nor the log may repeat
+SCORE = json.dumps({"prompts": ["a dog"], "images": remote.png_base64(torch.zeros(1, 3, 8, 8))})
+
+
+@pytest.mark.parametrize(
+    "path, body, headers, status, message",
+    [
+        ("/value_error", SCORE, {}, 422, "no shape named in 'a dog'"),
+        ("/user_error", SCORE, {}, 422, "the ocr reward needs the text to write in double quotes"),
+        (
+            "/runtime_error",
+            SCORE,
+            {},
+            500,
+            "reward runtime_error failed: RuntimeError: CUDA error: an illegal memory access Compile with TORCH_USE_CUDA_DSA",
+        ),
+        ("/value_error/check", '{"prompts": ["a dog"]}', {}, 422, "prompt 0 names no shape"),
+        ("/runtime_error/check", '{"prompts": ["a dog"]}', {}, 500, "reward runtime_error failed: KeyError: 'vocabulary'"),
+        (
+            "/ok",
+            json.dumps({"prompts": [1], "images": [ECHO]}),
+            {},
+            422,
+            "bad request: prompts.0: Input should be a valid string",
+        ),
+        (
+            "/ok",
+            '{"prompts": [NaN], "images": ["' + ECHO + '"]}',
+            {},
+            422,
+            "bad request: prompts.0: Input should be a valid string",
+        ),
+        (
+            "/ok",
+            json.dumps({"prompts": ["a"], "images": [{ECHO: ECHO}]}),
+            {},
+            422,
+            "bad request: images.0: Input should be a valid string",
+        ),
+        ("/ok", '{"prompts": ["' + ECHO, {}, 422, "bad request: the body is not JSON (Unterminated string starting at)"),
+        (
+            "/ok",
+            json.dumps({"prompts": ["a"], "images": [png_claiming(12000, 12000)]}),
+            {},
+            422,
+            "image 0 is 12000x12000 pixels, over the cap of 16777216 (4096x4096)",
+        ),
+        (
+            "/ok",
+            json.dumps({"prompts": ["a"] * 17, "images": [png_claiming(4096, 4096)] * 17}),
+            {},
+            422,
+            "17 images of 4096x4096 are 285212672 pixels, over the cap of 268435456 a request: score fewer images a call",
+        ),
+        (
+            "/ok",
+            "",
+            {"Content-Length": str(300 << 20)},
+            413,
+            "the request is 314572800 bytes, over the cap of 268435456 (256 MiB): score fewer images a call",
+        ),
+        ("/ok", "0\r\n\r\n", {"Transfer-Encoding": "chunked"}, 411, "a request needs a Content-Length"),
+    ],
+)
+def test_server_answers_a_bad_request_with_one_line(toy_server, path, body, headers, status, message):
+    """A client's error (or a reward's ValueError) is a 4xx, a reward's crash a 500: each with a one-line reason, and one
+    line in the server's log, which repeats no input (a request of 300 MB is refused from its Content-Length, unread)."""
+    base, log = toy_server
+    body = body.encode()
+    conn = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), timeout=5)
+    try:
+        conn.putrequest("POST", path)
+        for key, value in {"Content-Type": "application/json", **(headers or {"Content-Length": str(len(body))})}.items():
+            conn.putheader(key, value)
+        before = log.stat().st_size
+        conn.endheaders(body)
+        answer = conn.getresponse()
+        got = (answer.status, answer.read().decode())
+    finally:
+        conn.close()
+    assert got[0] == status and json.loads(got[1]) == {"detail": message}, got[1][:2000]
+    with open(log, "rb") as f:
+        f.seek(before)
+        lines = f.read().decode().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(message) and ECHO not in lines[0], lines
 
 
 # ----------------------------------------------------------------------------------------------------------------

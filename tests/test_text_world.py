@@ -3,7 +3,7 @@ quoted words letter by letter, a base model that reads poorly but follows its pr
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import needs_ocr, run_script
 
 import common
 import logs
@@ -35,6 +35,7 @@ def test_splits_are_disjoint_deterministic_and_match_the_shipped_files():
     assert prompt_files.load_prompts(str(TEXT_TRAIN)) == [p for _, p, _ in train]
 
 
+@needs_ocr
 def test_renderings_are_read_back(reward):
     """The pretraining images themselves score ~1: the task is solvable at 64 px and the reward is not the limit."""
     train, _ = text_world.splits()
@@ -73,6 +74,7 @@ def base_samples():
     return images, prompts
 
 
+@needs_ocr
 def test_base_model_reads_poorly_but_follows_the_prompt(reward, base_samples):
     images, prompts = base_samples
     scores = reward(images, prompts)
@@ -83,6 +85,7 @@ def test_base_model_reads_poorly_but_follows_the_prompt(reward, base_samples):
     assert scores.mean() > shuffled.mean() + 0.4, (scores.mean(), shuffled.mean())
 
 
+@needs_ocr
 @pytest.mark.slow
 def test_rl_raises_the_ocr_score(tmp_path):
     """4 NFT epochs on four training words raise their OCR score (eval noise is fixed, so a no-op update scores exactly
@@ -154,6 +157,7 @@ def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
         assert float(logged[0].split("loss ")[1].split()[0]) == pytest.approx(expected, abs=1e-4)  # logged to 4 decimals
 
 
+@needs_ocr
 def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path):
     """`--vae-from` builds a pipeline whose autoencoder (weights, latent shift and scale) is the given folder's, so two
     builds differ only in their transformer and text encoders; a build with `--out` does not rewrite assets/*.jsonl."""
