@@ -20,12 +20,13 @@ import common  # noqa: E402
 import distributed  # noqa: E402
 import export  # noqa: E402
 import logs  # noqa: E402
-import models  # noqa: E402,F401  (registers the model families with common)
+import models  # noqa: E402  (also registers the model families with common)
 import prompt_files  # noqa: E402
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
-# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
+# (benchmark/results/shapes_clean/tuning.md)
 LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 
 
@@ -204,7 +205,7 @@ class Args:
     """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
 
 
-# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# ALGO LOGIC: the group-relative advantage, the same function in every file that forms one (tests/test_skeleton.py)
 # added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
 # rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
 # floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)

@@ -25,12 +25,13 @@ import common  # noqa: E402
 import distributed  # noqa: E402
 import export  # noqa: E402
 import logs  # noqa: E402
-import models  # noqa: E402,F401  (registers the model families with common)
+import models  # noqa: E402  (also registers the model families with common)
 import prompt_files  # noqa: E402
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
-# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
+# (benchmark/results/shapes_clean/tuning.md)
 LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 
 

@@ -20,12 +20,13 @@ import common  # noqa: E402
 import distributed  # noqa: E402
 import export  # noqa: E402
 import logs  # noqa: E402
-import models  # noqa: E402,F401  (registers the model families with common)
+import models  # noqa: E402  (also registers the model families with common)
 import prompt_files  # noqa: E402
 import run  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
-# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA (tuning.md)
+# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
+# (benchmark/results/shapes_clean/tuning.md)
 LEARNING_RATES = {"full": 1e-4, "lora": 5e-4}
 
 
@@ -202,7 +203,7 @@ class Args:
     """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
 
 
-# ALGO LOGIC: the group-relative advantage, the same function in the five files (tests/test_skeleton.py)
+# ALGO LOGIC: the group-relative advantage, the same function in every file that forms one (tests/test_skeleton.py)
 # added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
 # rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
 # floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
@@ -355,8 +356,8 @@ def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     trajectory-branching script (scripts/train_sd3_pr.py; the s its sde_step_with_logprob returns is std_dev_t
     sqrt(-dt), the step's std; its train_sd3.py keeps Flow-GRPO's loss). 2.25 is 1 / the mean of s over the 9 steps
     that script trains (SD3.5, 10 steps of the scheduler's schedule, eta 0.7; the last step is not trained): the weights
-    average 1 over the trained steps, the normalisation the paper's weighting is described with. The paper's equation
-    number is not cited: its text could not be read here. Another schedule, eta or window needs its own c for mean 1."""
+    average 1 over the trained steps, the normalisation the paper's weighting is described with.
+    Another schedule, eta or window needs its own c for mean 1."""
     std = std.reshape(-1).float()
     return scale * (std.expand(batch) if std.numel() == 1 else std)
 

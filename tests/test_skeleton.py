@@ -113,7 +113,7 @@ def test_shared_math_is_identical_where_the_algorithms_agree(name):
 
 
 def test_common_holds_no_advantage_math():
-    """STYLE.md: the advantage is the algorithm, so it lives in the algorithm files, not in the plumbing."""
+    """The house style (CleanRL's): the advantage is the algorithm, so it lives in the algorithm files, not in the plumbing."""
     names = top_level_sources(Path(__file__).resolve().parents[1] / "common.py")
     assert not {"STD_EPS", "group_advantages", "aggregate_advantages"} & set(names)
 
