@@ -609,6 +609,7 @@ def test_gradient_noise_adam_scaling_and_ranges_against_each_step():
     assert b_noise_range({"signal": 0.5, "signal_se": 0.5, "noise": 6.0}, 8.0) == (8.0 * 6 / 1.5, float("inf"))
 
 
+@pytest.mark.slow
 def test_gradient_noise_keeps_the_base_and_records_every_step(tmp_path):
     """A 3-epoch GRPO run through benchmark/studies/gradient_noise.py on the tiny model: 6 steps recorded, and the final eval
     equals the eval before training to the digit (AdamW never moved a weight)."""

@@ -98,6 +98,7 @@ def tiny_build(tmp_path_factory):
     return out, build(out, "--eval-steps", "1")
 
 
+@pytest.mark.slow
 def test_tiny_build_runs_and_loads(tiny_build):
     out, result = tiny_build
     assert result.returncode == 0, result.stderr[-2000:]
@@ -106,6 +107,7 @@ def test_tiny_build_runs_and_loads(tiny_build):
     assert pipe.transformer.config.guidance_embeds is False and pipe.tokenizer_2.model_max_length == recipe.MAX_TOKENS
 
 
+@pytest.mark.slow
 def test_an_rl_run_on_the_build_logs_the_edit_metrics(tiny_build, tmp_path):
     """The recipe's pipeline, the edit prompt files and the edit reward in a training script (GRPO, one epoch)."""
     out, _ = tiny_build
@@ -194,6 +196,7 @@ def test_a_bad_checkpoint_fails_in_one_line(tmp_path, content):
     assert not out.exists() and checkpoint.exists()
 
 
+@pytest.mark.slow
 def test_edit_benchmark_pairs_every_export_with_the_base_on_the_same_noises(tiny_build, tmp_path):
     """benchmark/edit.py score / table / grid on the tiny build: an export that is the base's own transformer scores
     the base's numbers exactly (same noises, steps and CFG through the stock pipeline), so its paired gains are 0."""

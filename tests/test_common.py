@@ -690,6 +690,7 @@ def test_chunked_sampling_and_overlapped_scoring_equal_one_batch(pipe):
         common.sample(pipe.transformer, pipe.scheduler, cond, generator=torch.Generator(), chunk=2, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["avx2", "default"])
 def test_chunked_sampling_equals_one_batch_under_other_kernels(kernel):
     """The test above, in a pytest process of its own under forced avx2 or default kernels (torch picks its kernels

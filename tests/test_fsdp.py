@@ -28,6 +28,9 @@ from export import LORA_WEIGHTS
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
+# every test here but one starts torchrun's 2 ranks: the slow marker's "2-rank runs" (CI runs them all)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):

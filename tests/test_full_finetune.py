@@ -49,7 +49,8 @@ def tiny(dtype=torch.float32):
     return models.load_pipeline(common.TINY_MODEL, torch.device("cpu"), dtype)
 
 
-@pytest.mark.parametrize("algo", sorted(FLAGS))
+# crd in the fast tests, every algorithm in the slow ones (the same code path, another loss)
+@pytest.mark.parametrize("algo", [a if a == "crd" else pytest.param(a, marks=pytest.mark.slow) for a in sorted(FLAGS)])
 def test_every_algorithm_trains_every_transformer_weight(algo, full_run):
     """The checkpoint holds every transformer parameter under its own name (no LoRA), and weights no LoRA targets (the
     feed-forward layers, the output projection) moved away from the base."""
@@ -133,6 +134,7 @@ def test_a_bf16_base_trains_fp32_master_weights_and_keeps_its_bf16_reference():
     assert torch.equal(ref, expected)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(full_run, prompt_dir, tmp_path):
     """CRD (an old and a sampling snapshot, both of every weight): 1 epoch + --resume for one more ends bit-identical to
     the uninterrupted 2-epoch run: weights, both snapshots, AdamW's moments."""

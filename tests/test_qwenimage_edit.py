@@ -275,6 +275,7 @@ def card_images(run_dir: Path, prompt, noise, tmp_path, pipeline_module, folder)
     return torch.from_numpy(np.array(Image.open(tmp_path / "sample.png"))).permute(2, 0, 1).float()
 
 
+@pytest.mark.slow
 def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_pipeline(edit_dir, edit_prompts, tmp_path):
     """CRD end to end with true CFG: finite losses and rewards logged, a trained LoRA; the exported LoRA loaded into a
     fresh QwenImageEditPipeline, called as the card says, gives our sampler's images with the trained weights."""
@@ -297,6 +298,7 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
     assert ((ours[0] * 255).round() - card).abs().max().item() <= 1  # both rounded to 8 bits
 
 
+@pytest.mark.slow
 def test_a_resumed_run_on_image_prompts_ends_bit_identical(edit_dir, edit_prompts, tmp_path):
     """2 epochs, against 1 epoch and `--resume` for one more (its own process, which loads the processor as
     `load_kwargs` does): the resumed run encodes each image, prompt and per-image negative prompt again."""

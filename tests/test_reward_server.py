@@ -625,7 +625,8 @@ def run_pair(algo, prompts, tmp_path, local_reward, served_reward, *flags):
     return dirs
 
 
-@pytest.mark.parametrize("algo", sorted(FLAGS))
+# crd in the fast tests, every algorithm in the slow ones (the same code path, another loss)
+@pytest.mark.parametrize("algo", [a if a == "crd" else pytest.param(a, marks=pytest.mark.slow) for a in sorted(FLAGS)])
 def test_run_through_server_equals_local(algo, servers, tmp_path):
     """Two epochs of every script scored through the server end bit-identical to the local run: weights, optimizer,
     every logged reward, loss and eval metric."""
@@ -642,6 +643,7 @@ def test_run_through_server_equals_local(algo, servers, tmp_path):
     assert b["args"]["reward"] == f"{servers()}/jpeg_compressibility"  # what a resume must be given again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["sum", "gdpo"])
 def test_two_servers_combine_like_local_rewards(aggregation, servers, tmp_path):
     """OCR and JPEG, each on its own server, weighted and aggregated (sum or GDPO) as the same local rewards are, on
@@ -677,6 +679,7 @@ def test_server_down_stops_the_run_with_one_line(misbehaving, tmp_path):
     assert not list((tmp_path / "html").glob("*/checkpoints/*"))
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
     """The server is killed once the run has saved epoch 1: the run stops with one line at its next reward call (after
     its bounded retries) and keeps its last checkpoint; the server restarted on another port, `--resume` with

@@ -138,6 +138,7 @@ def test_a_crafted_shards_checkpoint_runs_no_code(case, run_copy, tmp_path, caps
         assert marker.exists()
 
 
+@pytest.mark.slow
 def test_a_shards_folder_written_by_dcp_resumes(tmp_path):
     """A sharded checkpoint the code wrote (--fsdp, here on one process) reads back through the checked reader bit for
     bit what DCP's own reader gives, and resumes."""

@@ -180,6 +180,7 @@ def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path
     assert {p.name: p.stat().st_mtime_ns for p in assets.glob("*.jsonl")} == splits
 
 
+@pytest.mark.slow
 def test_recipe_rejects_a_vae_from_that_is_not_a_pipeline_in_one_line(tmp_path):
     """A wrong `--vae-from` ends at once with one line and exit 2, before any data is rendered or anything written."""
     out = tmp_path / "never"
