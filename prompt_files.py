@@ -126,7 +126,7 @@ def image_prompt(text: str, written, folder: Path, where: str) -> Prompt:
     """The `Prompt` record of `text` on the image a jsonl line names (`written`, its "image" field, a path relative to
     `folder`, the file's), the image decoded now (`read_image`); a field that is not a path, a missing file or one
     that is not a readable image is one `UserError` line starting with `where` (the file and line). load_prompts and
-    DPO's pairs file (algos/dpo.py `load_pairs`) build their records here."""
+    DPO's pairs file (`pair_files.load_pairs`) build their records here."""
     if not isinstance(written, str) or not written.strip():
         raise UserError(
             f"{where}: 'image' is {short(json.dumps(written))}, expected an image file's path (relative to the file's folder)"

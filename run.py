@@ -1,4 +1,4 @@
-"""A run's lifecycle, shared by the five scripts: `run_main` and the command line, the flag checks that need no model,
+"""A run's lifecycle, shared by the algorithm scripts: `run_main` and the command line, the flag checks that need no model,
 start and resume (`start_run`), the run folder's lock, a graceful stop, seeding, and the non-finite-gradient guard.
 Checkpoints are in checkpoints.py, the exported model and its card in export.py, logging in logs.py."""
 
@@ -18,7 +18,7 @@ import types
 import typing
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -156,25 +156,6 @@ def seed_everything(seed: int, torch_deterministic: bool = True):
 
 # flags a resumed run may change: how long it goes on and how it reports and saves, none of what it computes.
 # `device`, `output_dir` and `resume` say where this invocation runs and are never taken from the checkpoint.
-# The scripts' optional flags, labelled by their type in --help: tyro's own label ("{None}|INT") is long enough to push
-# the flag onto a line of its own. `None` stays the default, and "None" on the command line still means it; --help says
-# "(optional)" instead of "(default: None)", and the docstring says what the script does without the flag.
-OptionalInt = Annotated[Optional[int], tyro.conf.arg(metavar="INT", help_behavior_hint="(optional)")]
-OptionalFloat = Annotated[Optional[float], tyro.conf.arg(metavar="FLOAT", help_behavior_hint="(optional)")]
-OptionalStr = Annotated[Optional[str], tyro.conf.arg(metavar="STR", help_behavior_hint="(optional)")]
-Names = Annotated[tuple[str, ...], tyro.conf.arg(metavar="NAME ...")]
-OptionalNames = Annotated[Optional[tuple[str, ...]], tyro.conf.arg(metavar="NAME ...", help_behavior_hint="(optional)")]
-# --max-sequence-length INT is a column too wide
-OptionalTokens = Annotated[Optional[int], tyro.conf.arg(metavar="N", help_behavior_hint="(optional)")]
-# --full-finetune's default is decided from the model's size once it loads; None is not a value on the command line
-AutoBool = Annotated[
-    tyro.conf.DisallowNone[Optional[bool]], tyro.conf.arg(help_behavior_hint="(default: on under 50M weights)")
-]
-# A default inside the repository is shown relative to it: the help reads the same in every clone, and a long clone path
-# does not wrap the line
-RepoPath = Annotated[str, tyro.conf.arg(help_behavior_hint=lambda path: f"(default: <repo>/{Path(path).relative_to(REPO)})")]
-
-
 SAFE_OVERRIDES = (
     "num_epochs",
     "eval_every",
@@ -207,6 +188,23 @@ PATH_INPUTS = ("model", "train_prompts", "test_prompts", "pairs")
 
 
 MAX_STEPS = 1000
+
+# flags that moved from one script to another (Flow-GRPO's variants to algos/grpo_variants.py): a checkpoint made
+# before the move resumes when they did nothing in its run (`inert` of the saved value), else it is refused by name
+MOVED_FLAGS = {
+    "grpo": (
+        "grpo_variants",
+        {
+            "window_mode": lambda v: v != "sliding",
+            "window_shift": lambda v: True,  # acts with --window-mode sliding only
+            "grpo_guard": lambda v: v is False,
+            "guard_reweight": lambda v: True,  # acts with --grpo-guard only
+            "noise_weight": lambda v: v == 0,
+            "kl_mask": lambda v: v == 0,
+            "win_rate_reward": lambda v: v is False,
+        },
+    )
+}
 
 _LOCKS = {}  # run folder -> open lock file, held until `release_run_locks`
 
@@ -470,6 +468,15 @@ def restore_args(args, saved: dict) -> dict:
     is an error unless it is in SAFE_OVERRIDES. Returns {field: (saved, now)} of the overrides applied."""
     saved = dict(saved)  # `restore_servers` edits it; the checkpoint's record stays as saved
     hints = typing.get_type_hints(type(args))
+    target, moved = MOVED_FLAGS.get(script_name(args), (None, {}))
+    for name, inert in moved.items():
+        if name in saved and not inert(saved[name]):
+            raise UserError(
+                f"the run being resumed used {_flag(name)} {saved[name]!r}, which is now in algos/{target}.py; "
+                "resume it with the cleanflow version that made it"
+            )
+        if name not in hints:
+            saved.pop(name, None)  # did nothing in that run
     unknown = sorted(set(saved) - set(hints))
     if unknown:
         raise UserError(

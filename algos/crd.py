@@ -11,19 +11,15 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-import tyro
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
-import export  # noqa: E402
+import flags  # noqa: E402
+import harness  # noqa: E402
 import logs  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
-import prompt_files  # noqa: E402
 import run  # noqa: E402
-from rewards import load_rewards  # noqa: E402
 
 # --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
 # (benchmark/results/shapes_clean/tuning.md)
@@ -31,124 +27,9 @@ LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 
 
 @dataclass
-class Args:
-    # Experiment
-    exp_name: str = Path(__file__).stem
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, cuDNN uses deterministic kernels"""
-    device: run.OptionalStr = None
-    """torch device; default cuda:<rank> or cpu"""
-    output_dir: str = "runs"
-    """runs go to <output_dir>/<run_name>/"""
-    resume: run.OptionalStr = None
-    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
-    num_epochs: int = 60
-    """epochs; one epoch = one rollout of M x K images + its updates"""
-    eval_every: int = 10
-    """evaluate every this many epochs"""
-    eval_num_steps: run.OptionalInt = None
-    """evaluation steps; default num_steps"""
-    eval_guidance_scale: run.OptionalFloat = None
-    """evaluation CFG; default guidance_scale"""
-    eval_noises: int = 2
-    """noises per held-out prompt"""
-    eval_ema_decay: float = 0.0
-    """decay of the evaluated weight EMA; 0 = off"""
-    eval_ema_interval: int = 1
-    """optimizer steps per eval EMA update"""
-    eval_ema_repeats: int = 1
-    """times each eval EMA update is applied"""
-    save_every: int = 10
-    """checkpoint every this many epochs"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (>= 1)"""
-    track: bool = False
-    """if toggled, mirror the logs to Weights & Biases"""
-    wandb_project_name: str = "cleanflow"
-    """the wandb project name"""
-    wandb_entity: run.OptionalStr = None
-    """the wandb entity (team)"""
-    push_to_hub: run.OptionalStr = None
-    """hub repo (user/name) to upload the export to"""
-    mixed_precision: bool = False
-    """bf16 autocast of the transformer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward"""
-    overlap_reward: bool = True
-    """score in a thread while the next samples"""
-    compile: bool = False
-    """torch.compile each transformer block"""
-    fsdp: bool = False
-    """FSDP2: shard the transformer over the ranks"""
-    fsdp_cpu_offload: bool = False
-    """with fsdp: keep the shards in CPU memory"""
-    offload_text_encoders: bool = False
-    """encode prompts once, text encoders to cpu"""
-    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model"""
-    resolution: run.OptionalInt = None
-    """image side in pixels; default native"""
-    height: run.OptionalInt = None
-    """image height; default resolution"""
-    width: run.OptionalInt = None
-    """image width; default resolution"""
-    num_frames: run.OptionalInt = None
-    """frames per video (video models)"""
-    negative_prompt: str = ""
-    """the negative prompt of CFG"""
-    max_sequence_length: run.OptionalTokens = None
-    """text tokens per prompt"""
+class CRDArgs:
+    """CRD's own flags, first in --help (the flags every script shares: flags.SharedArgs)"""
 
-    # Model & sampler
-    model: run.RepoPath = common.TINY_MODEL
-    """diffusers pipeline: a folder or a hub id"""
-    reward: str = "shapes_clean"
-    """reward name or weighted list "name:w,name:w" (rewards/)"""
-    eval_rewards: run.Names = ()
-    """side metrics scored on the eval images only, eval/<name>"""
-    train_prompts: run.RepoPath = common.TRAIN_PROMPTS
-    """training prompts (.txt, or .jsonl "prompt")"""
-    test_prompts: run.RepoPath = common.TEST_PROMPTS
-    """held-out prompts for evaluation"""
-    num_steps: int = 10
-    """N, sampling steps"""
-    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
-    guidance_scale: float = 1.0
-    """CFG scale of rollout and training forward"""
-    guidance_scale_2: run.OptionalFloat = None
-    """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
-    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
-    """rollout dynamics"""
-    eta: float = 0.7
-    """noise level of the SDE dynamics"""
-    full_finetune: run.AutoBool = None
-    """train every transformer weight (fp32), no LoRA"""
-    lora_rank: int = 16
-    """LoRA rank r"""
-    lora_alpha: float = 32.0
-    """LoRA alpha (scale alpha / r)"""
-    lora_targets: run.OptionalNames = None
-    """modules that get LoRA; default the family's"""
-
-    # Optimizer & batch
-    learning_rate: run.OptionalFloat = None
-    """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip"""
-    num_prompts: int = 8
-    """M, prompts per epoch (global)"""
-    group_size: int = 8
-    """K, images per prompt"""
-    micro_batch: int = 16
-    """per-rank micro-batch (whole groups, for within-prompt centring)"""
-    grad_steps_per_epoch: int = 2
-    """optimizer steps per epoch"""
     num_train_timesteps: int = 4
     """T, trained timesteps per micro-batch"""
     timestep_range: float = 0.99
@@ -159,8 +40,6 @@ class Args:
     """std of the z-score: per group or global"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """several rewards: z-score their sum, or each first"""
-
-    # Algorithm specific arguments
     crd_beta: float = 1.0
     """beta, scale of the implicit reward matched to the advantage"""
     loss_type: Literal["mse", "bce"] = "mse"
@@ -198,11 +77,17 @@ class Args:
     kl_floor: float = 1e-4
     """KL weight at reward 0"""
 
-    # to be filled in runtime
-    run_name: tyro.conf.Suppress[str] = ""
-    """(computed in runtime)"""
-    argv: tyro.conf.Suppress[tuple[str, ...]] = ()
-    """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
+
+@dataclass
+class Args(flags.SharedArgs, CRDArgs):
+    # CRD's flags come first in --help, then the flags every script shares; here, where this script's default
+    # or help differs from theirs
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    learning_rate: flags.OptionalFloat = None
+    """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
+    micro_batch: int = 16
+    """per-rank micro-batch (whole groups, for within-prompt centring)"""
 
 
 # ALGO LOGIC: the group-relative advantage, the same function in every file that forms one (tests/test_skeleton.py)
@@ -250,7 +135,7 @@ def aggregate_advantages(
     aggregation: str = "sum",
     std: str = "group",
     leave_one_out: bool = False,
-    clip: run.OptionalFloat = None,
+    clip: Optional[float] = None,
 ) -> torch.Tensor:
     """Several rewards -> one advantage per sample.
 
@@ -374,11 +259,9 @@ def update_ema(ema, params, decay: float):
 
 
 def main(args: Args):
-    # TRY NOT TO MODIFY: setup, seeding, logging
-    run_dir, ckpt = run.start_run(args, __file__)
-    dist = distributed.setup_distributed(args.device)
+    # TRY NOT TO MODIFY: the run folder (a resumed run's flags restored), the ranks, the seeds
+    run_dir, ckpt, dist = harness.start(args, __file__)
     device = dist.device
-    run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.centering == "group" and args.micro_batch % args.group_size:
@@ -387,57 +270,11 @@ def main(args: Args):
             f"(a multiple of group_size {args.group_size}) for within-prompt centring"
         )
 
-    # TRY NOT TO MODIFY: batch geometry
-    if args.group_size < 2:
-        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size
-    per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
-    local_samples = per_rank_step * args.grad_steps_per_epoch
-    num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
-    # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
-    local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
-    if dist.is_main:
-        print(
-            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
-            f"images/epoch={total} ({local_samples}/rank), micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
-            f"world size={dist.world_size}"
-        )
-
-    # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
-    train_prompts, test_prompts = prompt_files.load_prompts(args.train_prompts), prompt_files.load_prompts(args.test_prompts)
-    rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
-    pipe = models.load_pipeline(
-        args.model,
-        device,
-        models.DTYPES[args.base_dtype],
-        args.resolution,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        guidance_scale_2=args.guidance_scale_2,
-        shard=args.fsdp,
-    )
+    # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
+    total, local_idx, local_samples, num_micro, micro_per_step = harness.batch_layout(args, dist)
+    train_prompts, test_prompts, rewards = harness.load_data(args, device)
+    pipe, params, named, optimizer, encoder = harness.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
     transformer = pipe.transformer
-    torch.manual_seed(args.seed)  # identical LoRA init on every rank
-    params = models.trainable_params(transformer, args)
-    if args.learning_rate is None:
-        args.learning_rate = LEARNING_RATES["full" if args.full_finetune else "lora"]
-    distributed.check_same_on_all_ranks(params)
-    if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
-        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
-    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    if args.gradient_checkpointing:
-        models.enable_gradient_checkpointing(transformer)
-    if args.compile:
-        models.compile_transformer(transformer)
-    encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
-    if args.offload_text_encoders:
-        encoder.precompute(train_prompts + test_prompts)
-        encoder.offload()
-    if dist.is_main:
-        print(f"trainable ({'full' if args.full_finetune else 'LoRA'}) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the "old" snapshot (implicit-reward reference) and the "sampling" snapshot (rollout policy)
     old_snapshot = [p.detach().clone() for p in params]
@@ -451,41 +288,19 @@ def main(args: Args):
             f"drawn from the {eligible} noisiest of {args.num_steps} steps"
         )
 
-    # TRY NOT TO MODIFY: generators, resume
-    # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
-    # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
-    prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
-    start_epoch, step, images_seen = checkpoints.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-    logger = logs.Logger(run_dir, args, ckpt, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+    # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar
+    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = harness.resume(
+        args, run_dir, ckpt, dist, params, named, optimizer, snapshots
+    )
 
     def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
-        checkpoints.save_state(
-            run_dir,
-            args,
-            pipe,
-            named,
-            optimizer,
-            snapshots,
-            eval_ema,
-            prompt_gen,
-            logger,
-            epoch=epoch,
-            step=step,
-            images_seen=images_seen,
+        harness.save(
+            run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, epoch, step, images_seen, __doc__
         )
-        export.export_model(run_dir, pipe, args, __doc__, epoch, logger, eval_ema)
 
     timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
     stopped_at = None
-    pbar = tqdm(
-        range(start_epoch, args.num_epochs),
-        disable=not dist.is_main,
-        desc=args.exp_name,
-        unit="epoch",
-        initial=start_epoch,
-        total=args.num_epochs,
-    )
+    pbar = harness.progress(args, dist, start_epoch)
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -632,14 +447,7 @@ def main(args: Args):
     if stopped_at is None:
         logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
-    if dist.is_main:
-        done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
-        print(f"{done}  peak RSS {logs.peak_rss_mb():.0f} MB  run: {run_dir}")
-        if args.push_to_hub:
-            export.push_to_hub(export.export_dir(run_dir, args), args.push_to_hub)
-    logger.close()
-    distributed.cleanup_distributed()
-    stop.exit()  # exit code 143 after a SIGTERM, so that a scheduler does not take the run for finished
+    harness.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
 
 
 if __name__ == "__main__":

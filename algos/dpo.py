@@ -7,28 +7,23 @@ torchrun --nproc-per-node 8 algos/dpo.py --model stabilityai/stable-diffusion-3.
 """
 
 import contextlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
-import export  # noqa: E402
+import flags  # noqa: E402
+import harness  # noqa: E402
 import logs  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
-import prompt_files  # noqa: E402
+import pair_files  # noqa: E402
 import run  # noqa: E402
-from rewards import load_rewards  # noqa: E402
 
 # --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
 # (benchmark/results/shapes_clean/tuning.md)
@@ -36,131 +31,14 @@ LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 
 
 @dataclass
-class Args:
-    # Experiment
-    exp_name: str = Path(__file__).stem
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, cuDNN uses deterministic kernels"""
-    device: run.OptionalStr = None
-    """torch device; default cuda:<rank> or cpu"""
-    output_dir: str = "runs"
-    """runs go to <output_dir>/<run_name>/"""
-    resume: run.OptionalStr = None
-    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
-    num_epochs: int = 60
-    """epochs; one epoch = one rollout of M x K images + its updates"""
-    eval_every: int = 10
-    """evaluate every this many epochs"""
-    eval_num_steps: run.OptionalInt = None
-    """evaluation steps; default num_steps"""
-    eval_guidance_scale: run.OptionalFloat = None
-    """evaluation CFG; default guidance_scale"""
-    eval_noises: int = 2
-    """noises per held-out prompt"""
-    eval_ema_decay: float = 0.0
-    """decay of the evaluated weight EMA; 0 = off"""
-    eval_ema_interval: int = 1
-    """optimizer steps per eval EMA update"""
-    eval_ema_repeats: int = 1
-    """times each eval EMA update is applied"""
-    save_every: int = 10
-    """checkpoint every this many epochs"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (>= 1)"""
-    track: bool = False
-    """if toggled, mirror the logs to Weights & Biases"""
-    wandb_project_name: str = "cleanflow"
-    """the wandb project name"""
-    wandb_entity: run.OptionalStr = None
-    """the wandb entity (team)"""
-    push_to_hub: run.OptionalStr = None
-    """hub repo (user/name) to upload the export to"""
-    mixed_precision: bool = False
-    """bf16 autocast of the transformer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward"""
-    overlap_reward: bool = True
-    """score in a thread while the next samples"""
-    compile: bool = False
-    """torch.compile each transformer block"""
-    fsdp: bool = False
-    """FSDP2: shard the transformer over the ranks"""
-    fsdp_cpu_offload: bool = False
-    """with fsdp: keep the shards in CPU memory"""
-    offload_text_encoders: bool = False
-    """encode prompts once, text encoders to cpu"""
-    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model"""
-    resolution: run.OptionalInt = None
-    """image side in pixels; default native"""
-    height: run.OptionalInt = None
-    """image height; default resolution"""
-    width: run.OptionalInt = None
-    """image width; default resolution"""
-    num_frames: run.OptionalInt = None
-    """frames per video (video models)"""
-    negative_prompt: str = ""
-    """the negative prompt of CFG"""
-    max_sequence_length: run.OptionalTokens = None
-    """text tokens per prompt"""
+class DPOArgs:
+    """Diffusion-DPO's own flags, first in --help (the flags every script shares: flags.SharedArgs)"""
 
-    # Model & sampler
-    model: run.RepoPath = common.TINY_MODEL
-    """diffusers pipeline: a folder or a hub id"""
-    reward: str = "shapes_clean"
-    """reward name or weighted list "name:w,name:w" (rewards/)"""
-    eval_rewards: run.Names = ()
-    """side metrics scored on the eval images only, eval/<name>"""
-    train_prompts: run.RepoPath = common.TRAIN_PROMPTS
-    """training prompts (.txt, or .jsonl "prompt")"""
-    test_prompts: run.RepoPath = common.TEST_PROMPTS
-    """held-out prompts for evaluation"""
-    num_steps: int = 10
-    """N, sampling steps"""
-    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
-    guidance_scale: float = 1.0
-    """CFG scale of the rollout (training forwards use none)"""
-    guidance_scale_2: run.OptionalFloat = None
-    """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
-    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "ODE"
-    """rollout dynamics"""
-    eta: float = 0.7
-    """noise level of the SDE dynamics"""
-    full_finetune: run.AutoBool = None
-    """train every transformer weight (fp32), no LoRA"""
-    lora_rank: int = 16
-    """LoRA rank r"""
-    lora_alpha: float = 32.0
-    """LoRA alpha (scale alpha / r)"""
-    lora_targets: run.OptionalNames = None
-    """modules that get LoRA; default the family's"""
-
-    # Optimizer & batch
-    learning_rate: run.OptionalFloat = None
-    """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip"""
-    num_prompts: int = 8
-    """M, prompts per epoch (global); offline: M K / 2 pairs (M K chosen images for SFT) per epoch"""
-    group_size: int = 8
-    """K, images per prompt"""
-    micro_batch: int = 16
-    """per-rank micro-batch (whole groups online, whole pairs offline)"""
-    grad_steps_per_epoch: int = 2
-    """optimizer steps per epoch"""
     num_train_timesteps: int = 4
     """T, noised copies (sigma, eps) of every pair trained per epoch"""
-
-    # Algorithm specific arguments
     dpo_beta: float = 50.0
     """beta of Eq. (14), T omega(lambda_t) folded in; flow_grpo's SD3.5 value is 100 x its 0.5 = 50 (docs/dpo.md)"""
-    pairs: run.OptionalStr = None
+    pairs: flags.OptionalStr = None
     """offline: a .jsonl of {"prompt", "chosen", "rejected"} image paths; without "rejected": SFT; with "image": edits"""
     pairs_per_group: Literal["best-worst", "all"] = "best-worst"
     """online pairs: each group's best vs worst rollout, or every ordered pair of unequal rewards"""
@@ -173,11 +51,21 @@ class Args:
     logit_std: float = 1.0
     """std of the logit-normal u"""
 
-    # to be filled in runtime
-    run_name: tyro.conf.Suppress[str] = ""
-    """(computed in runtime)"""
-    argv: tyro.conf.Suppress[tuple[str, ...]] = ()
-    """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
+
+@dataclass
+class Args(flags.SharedArgs, DPOArgs):
+    # Diffusion-DPO's flags come first in --help, then the flags every script shares; here, where this script's default
+    # or help differs from theirs
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    guidance_scale: float = 1.0
+    """CFG scale of the rollout (training forwards use none)"""
+    learning_rate: flags.OptionalFloat = None
+    """AdamW learning rate; default 1e-4 (every weight) or 1e-3 (LoRA)"""
+    num_prompts: int = 8
+    """M, prompts per epoch (global); offline: M K / 2 pairs (M K chosen images for SFT) per epoch"""
+    micro_batch: int = 16
+    """per-rank micro-batch (whole groups online, whole pairs offline)"""
 
 
 # ALGO LOGIC: Diffusion-DPO's math as small pure functions
@@ -239,127 +127,10 @@ def draw_lines(num_lines: int, count: int, generator: torch.Generator) -> list:
     return idx[:count]
 
 
-def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:
-    """--pairs: one JSON object a line, {"prompt": str, "chosen": image path, "rejected": image path}, paths relative
-    to the file's folder; every line with a "rejected" (DPO) or none (SFT). An edit family's line adds the image to
-    edit, "image": its path: the prompt is then a `prompt_files.Prompt` record, as a prompt file's line with an
-    "image" (so `PromptEncoder.cond` gives the reference latents, `Cond.image`); every line has one or none does. Every
-    image is read here, before the model loads; the chosen and rejected ones must be RGB-convertible and of one size
-    (--height/--width when given). Returns (prompts, chosen [N, H, W, 3] uint8, rejected or None). A problem is one
-    UserError naming the line."""
-    file = Path(path).expanduser()
-    if file.exists() and not file.is_file():  # a FIFO would hang the read
-        raise common.UserError(f"--pairs {path}: not a regular file (a folder, a pipe or a device)")
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise common.UserError(f"--pairs {path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
-    except UnicodeDecodeError as e:
-        raise common.UserError(f"--pairs {path}: not UTF-8 text (byte {e.start}: {e.reason})")
-    prompts, images, sizes, kinds, with_image = [], {"chosen": [], "rejected": []}, set(), set(), set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--pairs {path}, line {n}"
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise common.UserError(f"{where}: not JSON ({e})")
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise common.UserError(f'{where}: needs an object with a non-empty "prompt"')
-        keys = [k for k in ("chosen", "rejected") if row.get(k) is not None]
-        if "chosen" not in keys:
-            raise common.UserError(f'{where}: needs a "chosen" image path')
-        kinds.add(len(keys))
-        if len(kinds) > 1:
-            raise common.UserError(f'{where}: every line needs a "rejected" image (DPO), or none does (SFT)')
-        with_image.add("image" in row)
-        if len(with_image) > 1:
-            raise common.UserError(f'{where}: every line carries an "image" (the image to edit), or none does')
-        if "image" in row:  # read and checked as a prompt file's image (prompt_files.load_prompts)
-            prompts.append(prompt_files.image_prompt(row["prompt"], row["image"], file.parent, where))
-        else:
-            prompts.append(row["prompt"])
-        for key in keys:
-            if not isinstance(row[key], str):
-                raise common.UserError(f'{where}: "{key}" must be an image path')
-            image_path = file.parent / row[key]
-            # read as every image is (EXIF orientation, 16-bit, a size cap before decoding): the one loader
-            pixels = np.asarray(prompt_files.load_image(image_path, f"{where}: {key} image {image_path}"))
-            if pixels.shape[0] % 8 or pixels.shape[1] % 8:  # the resolution rule of every script (`check_args`)
-                raise common.UserError(
-                    f"{where}: {key} image is {pixels.shape[1]}x{pixels.shape[0]}; sizes must be multiples of 8 pixels"
-                )
-            sizes.add(pixels.shape[:2])
-            if len(sizes) > 1:
-                raise common.UserError(
-                    f"{where}: {key} image is {pixels.shape[1]}x{pixels.shape[0]}; the file's images differ in size"
-                )
-            if (height and pixels.shape[0] != height) or (width and pixels.shape[1] != width):
-                raise common.UserError(f"{where}: {key} image is {pixels.shape[1]}x{pixels.shape[0]}, not {width}x{height}")
-            images[key].append(pixels)
-    if not prompts:
-        raise common.UserError(f"--pairs {path}: no lines")
-    rejected = np.stack(images["rejected"]) if images["rejected"] else None
-    chosen = np.stack(images["chosen"])
-    if rejected is not None:
-        same = int((chosen == rejected).reshape(len(chosen), -1).all(1).sum())
-        if same == len(chosen):  # no preference in any pair: Eq. 14's two sides are one image, its gradient ~0
-            raise common.UserError(f"--pairs {path}: every pair's chosen and rejected images are the same; DPO learns nothing")
-        if same:
-            print(f"note: --pairs {path}: {same} of {len(chosen)} pairs have the same chosen and rejected image", flush=True)
-    return prompts, chosen, rejected
-
-
-def check_pair_images(model: str, prompts: list, size: tuple, flag: str):
-    """Before the model loads (its model_index.json names the family): lines with an image to edit need an edit family
-    (`Family.encode_image`), whose `check_images` then checks them as it takes them: FLUX.1-Kontext each at the sampled
-    size, `size` (width, height) of the chosen images; Qwen-Image-Edit resizes each, to one size for the whole file."""
-    name = models.pipeline_config(model).get("_class_name")
-    family = common.FAMILIES.get(name)
-    if family is None:  # load_pipeline reports it
-        return
-    if family.encode_image is None and isinstance(prompts[0], prompt_files.Prompt):
-        edit = ", ".join(sorted(k for k, f in common.FAMILIES.items() if f.encode_image))
-        raise common.UserError(f"{flag}: its lines carry an image to edit, but {name} takes none (edit families: {edit})")
-    if family.check_images is not None:
-        family.check_images(prompts, size, flag)
-
-
-@torch.no_grad()
-def encode_images(pipe, pixels: np.ndarray, chunk: int) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> the sampler's latents, the inverse of `decode`: an edit family's `encode_image` (the
-    reference latents are the sampled ones' form: FLUX.1-Kontext, Qwen-Image-Edit), else that of
-    models.shared.vae_decode, (mode of the VAE posterior - shift_factor) x scaling_factor, for the families that decode
-    with it, whose sampler latents are the VAE's own (SD3, FLUX.1, ...; tested on SD3)."""
-    family = pipe.family
-    if family.encode_image is None and family.decode is not models.shared.vae_decode:
-        raise common.UserError(f"--pairs: offline pairs need a family that samples the VAE's own latents, not {family.name}")
-    vae = pipe.vae
-    out = []
-    for part in torch.from_numpy(pixels).split(chunk):
-        if family.encode_image is not None:  # pixels as image_pixels makes them: x / 255 * 2 - 1 in float32
-            out.append(family.encode_image(pipe.pipe, 2.0 * (part.permute(0, 3, 1, 2).float().to(vae.device) / 255.0) - 1.0))
-            continue
-        x = part.permute(0, 3, 1, 2).to(vae.device, vae.dtype) / 127.5 - 1
-        z = vae.encode(x).latent_dist.mode().float()
-        out.append((z - (getattr(vae.config, "shift_factor", None) or 0.0)) * vae.config.scaling_factor)
-    z = torch.cat(out)
-    if tuple(z.shape[1:]) != tuple(pipe.latent_shape):
-        side = pipe.vae_scale_factor
-        raise common.UserError(
-            f"--pairs: images of {pixels.shape[2]}x{pixels.shape[1]} pixels, but the model samples "
-            f"{pipe.latent_shape[-1] * side}x{pipe.latent_shape[-2] * side} (--resolution/--height/--width)"
-        )
-    return z
-
-
 def main(args: Args):
-    # TRY NOT TO MODIFY: setup, seeding, logging
-    run_dir, ckpt = run.start_run(args, __file__)
-    dist = distributed.setup_distributed(args.device)
+    # TRY NOT TO MODIFY: the run folder (a resumed run's flags restored), the ranks, the seeds
+    run_dir, ckpt, dist = harness.start(args, __file__)
     device = dist.device
-    run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
     # ALGO LOGIC: flag checks and the offline pairs file, read before the model loads so a bad one fails first
     if args.dpo_beta <= 0 or args.logit_std <= 0:
@@ -376,64 +147,18 @@ def main(args: Args):
         online_flags = sorted(run.given_flags(args) & {"pairs_per_group", "rollout_policy"})
         if online_flags:
             raise common.UserError(f"--{online_flags[0].replace('_', '-')}: an online setting, but --pairs trains offline")
-        offline = load_pairs(args.pairs, args.height or args.resolution, args.width or args.resolution)
-        check_pair_images(args.model, offline[0], offline[1].shape[2:0:-1], f"--pairs {args.pairs}")
+        offline = pair_files.load_pairs(args.pairs, args.height or args.resolution, args.width or args.resolution)
+        pair_files.check_pair_images(args.model, offline[0], offline[1].shape[2:0:-1], f"--pairs {args.pairs}")
         if offline[2] is not None and args.micro_batch % 2:
             raise common.UserError(
                 f"micro_batch ({args.micro_batch}) must be even with --pairs: a pair's two images train together"
             )
 
-    # TRY NOT TO MODIFY: batch geometry
-    if args.group_size < 2:
-        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size
-    per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
-    local_samples = per_rank_step * args.grad_steps_per_epoch
-    num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
-    # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
-    local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
-    if dist.is_main:
-        print(
-            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
-            f"images/epoch={total} ({local_samples}/rank), micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
-            f"world size={dist.world_size}"
-        )
-
-    # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
-    train_prompts, test_prompts = prompt_files.load_prompts(args.train_prompts), prompt_files.load_prompts(args.test_prompts)
-    rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
-    pipe = models.load_pipeline(
-        args.model,
-        device,
-        models.DTYPES[args.base_dtype],
-        args.resolution,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        guidance_scale_2=args.guidance_scale_2,
-        shard=args.fsdp,
-    )
+    # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
+    total, local_idx, local_samples, num_micro, micro_per_step = harness.batch_layout(args, dist)
+    train_prompts, test_prompts, rewards = harness.load_data(args, device)
+    pipe, params, named, optimizer, encoder = harness.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
     transformer = pipe.transformer
-    torch.manual_seed(args.seed)  # identical LoRA init on every rank
-    params = models.trainable_params(transformer, args)
-    if args.learning_rate is None:
-        args.learning_rate = LEARNING_RATES["full" if args.full_finetune else "lora"]
-    distributed.check_same_on_all_ranks(params)
-    if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
-        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
-    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    if args.gradient_checkpointing:
-        models.enable_gradient_checkpointing(transformer)
-    if args.compile:
-        models.compile_transformer(transformer)
-    encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
-    if args.offload_text_encoders:
-        encoder.precompute(train_prompts + test_prompts)
-        encoder.offload()
-    if dist.is_main:
-        print(f"trainable ({'full' if args.full_finetune else 'LoRA'}) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the reference is the frozen base (models.reference_model), so no snapshot is kept; the offline images
     # are encoded once and scored once (their reward is what charts/reward_* shows offline), then their pixels dropped
@@ -442,7 +167,7 @@ def main(args: Args):
     sft = offline is not None and offline[2] is None
     if offline is not None:
         data_prompts, sides = offline[0], [p for p in offline[1:] if p is not None]
-        data_latents = [encode_images(pipe, p, args.micro_batch) for p in sides]
+        data_latents = [pair_files.encode_images(pipe, p, args.micro_batch) for p in sides]
         data_scores = []  # per side: {reward name: [N]}
         for p in sides:
             parts = [
@@ -458,41 +183,19 @@ def main(args: Args):
         mode = "online" if args.pairs is None else f"offline {'SFT' if sft else 'DPO'} ({len(data_prompts)} lines)"
         print(f"{mode}; T={args.num_train_timesteps} noised copies of every pair per epoch, beta={args.dpo_beta}")
 
-    # TRY NOT TO MODIFY: generators, resume
-    # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
-    # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
-    prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
-    start_epoch, step, images_seen = checkpoints.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-    logger = logs.Logger(run_dir, args, ckpt, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+    # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar
+    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = harness.resume(
+        args, run_dir, ckpt, dist, params, named, optimizer, snapshots
+    )
 
     def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
-        checkpoints.save_state(
-            run_dir,
-            args,
-            pipe,
-            named,
-            optimizer,
-            snapshots,
-            eval_ema,
-            prompt_gen,
-            logger,
-            epoch=epoch,
-            step=step,
-            images_seen=images_seen,
+        harness.save(
+            run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, epoch, step, images_seen, __doc__
         )
-        export.export_model(run_dir, pipe, args, __doc__, epoch, logger, eval_ema)
 
     timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
     stopped_at = None
-    pbar = tqdm(
-        range(start_epoch, args.num_epochs),
-        disable=not dist.is_main,
-        desc=args.exp_name,
-        unit="epoch",
-        initial=start_epoch,
-        total=args.num_epochs,
-    )
+    pbar = harness.progress(args, dist, start_epoch)
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -649,14 +352,7 @@ def main(args: Args):
     if stopped_at is None:
         logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
-    if dist.is_main:
-        done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
-        print(f"{done}  peak RSS {logs.peak_rss_mb():.0f} MB  run: {run_dir}")
-        if args.push_to_hub:
-            export.push_to_hub(export.export_dir(run_dir, args), args.push_to_hub)
-    logger.close()
-    distributed.cleanup_distributed()
-    stop.exit()  # exit code 143 after a SIGTERM, so that a scheduler does not take the run for finished
+    harness.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
 
 
 if __name__ == "__main__":

@@ -11,19 +11,15 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import tyro
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
-import export  # noqa: E402
+import flags  # noqa: E402
+import harness  # noqa: E402
 import logs  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
-import prompt_files  # noqa: E402
 import run  # noqa: E402
-from rewards import load_rewards  # noqa: E402
 
 # --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
 # (benchmark/results/shapes_clean/tuning.md)
@@ -31,150 +27,25 @@ LEARNING_RATES = {"full": 1e-4, "lora": 5e-4}
 
 
 @dataclass
-class Args:
-    # Experiment
-    exp_name: str = Path(__file__).stem
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, cuDNN uses deterministic kernels"""
-    device: run.OptionalStr = None
-    """torch device; default cuda:<rank> or cpu"""
-    output_dir: str = "runs"
-    """runs go to <output_dir>/<run_name>/"""
-    resume: run.OptionalStr = None
-    """a run folder, or its checkpoints/epoch_<E>, to continue from"""
-    num_epochs: int = 40
-    """epochs; one epoch = one rollout of M x K images + its updates"""
-    eval_every: int = 10
-    """evaluate every this many epochs"""
-    eval_num_steps: run.OptionalInt = None
-    """evaluation steps; default num_steps"""
-    eval_guidance_scale: run.OptionalFloat = None
-    """evaluation CFG; default guidance_scale"""
-    eval_noises: int = 2
-    """noises per held-out prompt"""
-    eval_ema_decay: float = 0.0
-    """decay of the evaluated weight EMA; 0 = off"""
-    eval_ema_interval: int = 1
-    """optimizer steps per eval EMA update"""
-    eval_ema_repeats: int = 1
-    """times each eval EMA update is applied"""
-    save_every: int = 10
-    """checkpoint every this many epochs"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (>= 1)"""
-    track: bool = False
-    """if toggled, mirror the logs to Weights & Biases"""
-    wandb_project_name: str = "cleanflow"
-    """the wandb project name"""
-    wandb_entity: run.OptionalStr = None
-    """the wandb entity (team)"""
-    push_to_hub: run.OptionalStr = None
-    """hub repo (user/name) to upload the export to"""
-    mixed_precision: bool = False
-    """bf16 autocast of the transformer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward"""
-    overlap_reward: bool = True
-    """score in a thread while the next samples"""
-    compile: bool = False
-    """torch.compile each transformer block"""
-    fsdp: bool = False
-    """FSDP2: shard the transformer over the ranks"""
-    fsdp_cpu_offload: bool = False
-    """with fsdp: keep the shards in CPU memory"""
-    offload_text_encoders: bool = False
-    """encode prompts once, text encoders to cpu"""
-    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base model"""
-    resolution: run.OptionalInt = None
-    """image side in pixels; default native"""
-    height: run.OptionalInt = None
-    """image height; default resolution"""
-    width: run.OptionalInt = None
-    """image width; default resolution"""
-    num_frames: run.OptionalInt = None
-    """frames per video (video models)"""
-    negative_prompt: str = ""
-    """the negative prompt of CFG"""
-    max_sequence_length: run.OptionalTokens = None
-    """text tokens per prompt"""
+class GRPOArgs:
+    """Flow-GRPO's own flags, first in --help (the flags every script shares: flags.SharedArgs)"""
 
-    # Model & sampler
-    model: run.RepoPath = common.TINY_MODEL
-    """diffusers pipeline: a folder or a hub id"""
-    reward: str = "shapes_clean"
-    """reward name or weighted list "name:w,name:w" (rewards/)"""
-    eval_rewards: run.Names = ()
-    """side metrics scored on the eval images only, eval/<name>"""
-    train_prompts: run.RepoPath = common.TRAIN_PROMPTS
-    """training prompts (.txt, or .jsonl "prompt")"""
-    test_prompts: run.RepoPath = common.TEST_PROMPTS
-    """held-out prompts for evaluation"""
-    num_steps: int = 10
-    """N, sampling steps"""
-    sigma_schedule: Literal["pipeline", "scheduler"] = "pipeline"
-    """shifted linspace(1, 1/N) (pipeline) or the scheduler's own"""
-    guidance_scale: float = 1.0
-    """CFG scale of rollout and training forward"""
-    guidance_scale_2: run.OptionalFloat = None
-    """Wan2.2-A14B: CFG of the low-noise expert; default guidance_scale"""
-    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "Flow-SDE"
-    """rollout dynamics (GRPO needs an SDE)"""
-    eta: float = 0.7
-    """noise level of the SDE dynamics"""
-    full_finetune: bool = False
-    """train every transformer weight (fp32), no LoRA; off by default: GRPO then loses on tiny-shapes"""
-    lora_rank: int = 16
-    """LoRA rank r"""
-    lora_alpha: float = 32.0
-    """LoRA alpha (scale alpha / r)"""
-    lora_targets: run.OptionalNames = None
-    """modules that get LoRA; default the family's"""
-
-    # Optimizer & batch
-    learning_rate: run.OptionalFloat = None
-    """AdamW learning rate; default 1e-4 (every weight) or 5e-4 (LoRA)"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip"""
-    num_prompts: int = 8
-    """M, prompts per epoch (global)"""
-    group_size: int = 8
-    """K, images per prompt"""
-    micro_batch: int = 16
-    """per-rank micro-batch"""
-    grad_steps_per_epoch: int = 2
-    """optimizer steps per inner epoch"""
     adv_clip: float = 5.0
     """advantages are clipped to [-c, c]"""
     advantage_std: Literal["group", "global"] = "group"
     """std of the z-score: per group or global"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """several rewards: z-score their sum, or each first"""
-
-    # Algorithm specific arguments
     sde_window: tuple[int, int] = (1, -1)
     """python slice of the step indices that may be stochastic"""
     num_sde_steps: int = 4
     """stochastic (and trained) steps per trajectory"""
-    window_mode: Literal["subset", "contiguous", "sliding"] = "subset"
-    """SDE steps of the window: random subset, random run, sliding run (MixGRPO)"""
-    window_shift: tuple[int, int] = (25, 1)
-    """sliding: tau s, move the run s steps later every tau epochs (MixGRPO: 25 1)"""
+    window_mode: Literal["subset", "contiguous"] = "subset"
+    """SDE steps of the window: a random subset, or a random run (Flow-GRPO-Fast)"""
     zero_adv_filter: bool = False
     """drop zero-advantage samples from the loss mean"""
     log_prob_form: Literal["gaussian", "mse"] = "gaussian"
     """per-step log-prob: exact Gaussian, or "mse" -||x' - mu||^2"""
-    grpo_guard: bool = False
-    """GRPO-Guard RatioNorm of the log-ratio (arXiv 2510.22319)"""
-    guard_reweight: bool = True
-    """with grpo_guard: weight each step's loss by 1 / |dt|"""
-    noise_weight: float = 0.0
-    """TempFlow-GRPO: a step's policy loss x c x its std (0 = off; official 2.25)"""
     shared_group_noise: bool = True
     """a group's K images share their initial noise"""
     num_inner_epochs: int = 1
@@ -183,12 +54,8 @@ class Args:
     """PPO clip below: ratio >= 1 - clip_low"""
     clip_high: float = 1e-3
     """PPO clip above: ratio <= 1 + clip_high"""
-    kl_mask: float = 0.0
-    """Flow-DPPO: KL threshold of the mask that replaces the clip (0 = PPO clip)"""
     leave_one_out: bool = False
     """RLOO baseline: the mean of the other K-1 rewards"""
-    win_rate_reward: bool = False
-    """Pref-GRPO: an image's reward is its win rate against the rest of its group"""
     kl_beta: float = 0.0
     """KL weight to the base model"""
     kl_type: Literal["x", "v"] = "x"
@@ -196,11 +63,23 @@ class Args:
     kl_form: Literal["exact", "official"] = "exact"
     """KL of the steps: exact, or flow_grpo's ("official", x |dt|)"""
 
-    # to be filled in runtime
-    run_name: tyro.conf.Suppress[str] = ""
-    """(computed in runtime)"""
-    argv: tyro.conf.Suppress[tuple[str, ...]] = ()
-    """the command line, filled by run.run_main: which flags were given (computed in runtime)"""
+
+@dataclass
+class Args(flags.SharedArgs, GRPOArgs):
+    # Flow-GRPO's flags come first in --help, then the flags every script shares; here, where this script's default
+    # or help differs from theirs
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    num_epochs: int = 40
+    """epochs; one epoch = one rollout of M x K images + its updates"""
+    dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "Flow-SDE"
+    """rollout dynamics (GRPO needs an SDE)"""
+    full_finetune: bool = False
+    """train every transformer weight (fp32), no LoRA; off by default: GRPO then loses on tiny-shapes"""
+    learning_rate: flags.OptionalFloat = None
+    """AdamW learning rate; default 1e-4 (every weight) or 5e-4 (LoRA)"""
+    grad_steps_per_epoch: int = 2
+    """optimizer steps per inner epoch"""
 
 
 # ALGO LOGIC: the group-relative advantage, the same function in every file that forms one (tests/test_skeleton.py)
@@ -248,7 +127,7 @@ def aggregate_advantages(
     aggregation: str = "sum",
     std: str = "group",
     leave_one_out: bool = False,
-    clip: run.OptionalFloat = None,
+    clip: Optional[float] = None,
 ) -> torch.Tensor:
     """Several rewards -> one advantage per sample.
 
@@ -267,19 +146,6 @@ def aggregate_advantages(
 
 
 # ALGO LOGIC: Flow-GRPO's math as small pure functions
-def group_win_rates(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Pref-GRPO's reward (arXiv 2508.20751): each image's win rate inside its group of K, [B] for rewards in contiguous
-    groups. Every pair of the group is compared once, a win counting 1 and a tie 1/2 to each (as the official
-    _pairwise_win_rate), over the K - 1 comparisons of an image. The paper asks a pairwise preference model which image
-    of a pair is better; here the reward's scores are compared. Only the order inside the group is kept: how far apart
-    the scores are, an outlier or the reward's scale no longer set the advantages (but two near-equal scores are still
-    ordered: the pairwise model, not the win rate, is what lets the paper call them a tie)."""
-    r = rewards.double().view(-1, group_size)
-    diff = r[:, :, None] - r[:, None, :]  # [G, K, K]: image i against image j of its group
-    wins = (diff > 0).double().sum(2) + 0.5 * (diff == 0).double().sum(2) - 0.5  # minus the self-comparison's tie
-    return (wins / (group_size - 1)).view(-1).float()
-
-
 def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
     """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
     mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
@@ -295,25 +161,6 @@ def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, wei
     approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
     clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
     return loss, ratio.detach(), approx_kl, clipfrac
-
-
-def kl_mask_loss(log_prob, old_log_prob, mean, old_mean, std, adv, threshold: float, weight=None):
-    """Flow-DPPO's surrogate (arXiv 2606.11025): PPO's ratio without the clip, each term dropped when its step left the
-    trust region in the direction it is pushed. Returns (loss, ratio, approx_kl, maskfrac), maskfrac = share dropped.
-
-    The rollout's step and the current one are Gaussians of the same std s, so their KL is exact (Eq. 14), here the
-    per-element mean D = mean (mu - mu_old)^2 / (2 s^2) as in the official code (its threshold 1e-5 is on this scale).
-    A term is dropped when D >= threshold and it moves further away: r > 1 with A > 0, or r < 1 with A < 0 (Eq. 18);
-    a step back towards the rollout policy, or any step inside the region, keeps its gradient."""
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
-    kl = gaussian_kl(mean.detach(), old_mean, std)  # Eq. 14, per sample
-    away = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
-    drop = ((kl >= threshold) & away).detach()  # Eq. 18
-    terms = torch.where(drop, torch.zeros_like(ratio), -adv * ratio)
-    loss = (terms if weight is None else weight * terms).mean()
-    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
-    return loss, ratio.detach(), approx_kl, drop.float().mean()
 
 
 def velocity_kl(v, v_ref) -> torch.Tensor:
@@ -338,30 +185,6 @@ def step_kl(mean, mean_ref, std, dt: float, form: str = "exact", dynamics: str =
     return kl * abs(dt) if form == "official" and dynamics != "CPS" else kl
 
 
-def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
-    """GRPO-Guard's RatioNorm (arXiv 2510.22319): (log p - log p_old + ||mu - mu_old||^2 / (2 std^2)) std, per sample.
-
-    For a Gaussian step x' = mu_old + std z the plain log-ratio is (z.(mu - mu_old) / std - ||mu - mu_old||^2 / (2 std^2))
-    per element: its mean is negative (ratios sit below 1, so clip_high rarely binds on positive samples) and its spread
-    1/std differs by step. Removing the bias and multiplying by std leaves z.(mu - mu_old), centred at 0 with the
-    same scale at every step."""
-    bias = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std.reshape(-1) ** 2)
-    return (log_prob - old_log_prob + bias) * std.reshape(-1)
-
-
-def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
-    """TempFlow-GRPO's noise-aware weighting (arXiv 2508.04324): [batch] weights c s of one step's policy term, where s is
-    the step's std (Flow-SDE: s = sigma_t sqrt(|dt|)), so the high-noise early steps, where a perturbation changes the
-    image most, get the larger steps. The official code multiplies the PPO terms, not the KL, by 2.25 s in its
-    trajectory-branching script (scripts/train_sd3_pr.py; the s its sde_step_with_logprob returns is std_dev_t
-    sqrt(-dt), the step's std; its train_sd3.py keeps Flow-GRPO's loss). 2.25 is 1 / the mean of s over the 9 steps
-    that script trains (SD3.5, 10 steps of the scheduler's schedule, eta 0.7; the last step is not trained): the weights
-    average 1 over the trained steps, the normalisation the paper's weighting is described with.
-    Another schedule, eta or window needs its own c for mean 1."""
-    std = std.reshape(-1).float()
-    return scale * (std.expand(batch) if std.numel() == 1 else std)
-
-
 def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
     """[total] weights that drop samples with advantage exactly 0 from the mean of their optimizer step (official
     flow_grpo filters them out of the batch): kept / (kept share of the step), 0 for a step with nothing kept."""
@@ -369,20 +192,9 @@ def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
     return (kept * kept.shape[1] / kept.sum(1, keepdim=True).clamp_min(1)).view(-1)
 
 
-def sde_window_steps(
-    window: list, count: int, mode: str, generator: torch.Generator, epoch: int = 0, shift: tuple = (25, 1)
-) -> list:
-    """The epoch's stochastic steps: `count` of `window`, a random subset ("subset"), a run of consecutive steps with
-    a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range), or
-    MixGRPO's sliding window ("sliding", arXiv 2507.21802; official fastvideo/utils/grpo_states.py, strategy
-    "progressive" with --roll_back, as UniRL's WindowScheduler): the run starts at the window's first step and moves
-    `stride` steps later every `interval` epochs, back to the start once it would leave the window. Sliding draws
-    nothing from `generator`: the run depends on the epoch alone, so a resume continues it."""
-    if mode == "sliding":
-        interval, stride = shift
-        starts = (len(window) - count) // stride + 1  # l = 0, s, 2s, ... while the run of `count` fits
-        start = (epoch // interval) % starts * stride
-        return window[start : start + count]
+def sde_window_steps(window: list, count: int, mode: str, generator: torch.Generator) -> list:
+    """The epoch's stochastic steps: `count` of `window`, a random subset ("subset"), or a run of consecutive steps
+    with a uniformly random start ("contiguous", official Flow-GRPO-Fast's sde_window_size inside sde_window_range)."""
     if mode == "contiguous":
         start = int(torch.randint(len(window) - count + 1, (1,), generator=generator))
         return window[start : start + count]
@@ -390,19 +202,15 @@ def sde_window_steps(
 
 
 def main(args: Args):
-    # TRY NOT TO MODIFY: setup, seeding, logging
-    run_dir, ckpt = run.start_run(args, __file__)
-    dist = distributed.setup_distributed(args.device)
+    # TRY NOT TO MODIFY: the run folder (a resumed run's flags restored), the ranks, the seeds
+    run_dir, ckpt, dist = harness.start(args, __file__)
     device = dist.device
-    run.seed_everything(args.seed + dist.rank * 7919, args.torch_deterministic)
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if args.dynamics == "ODE":
         raise common.UserError(
             "Flow-GRPO needs per-step log-probs: choose a stochastic --dynamics (Flow-SDE, Dance-SDE or CPS)"
         )
-    if args.grpo_guard and args.log_prob_form != "gaussian":
-        raise common.UserError("--grpo-guard normalises Gaussian log-ratios: it needs --log-prob-form gaussian")
     window = list(range(args.num_steps))[slice(*args.sde_window)]
     if args.dynamics == "CPS":  # CPS has std = 0 at the last step (sigma_next = 0): it cannot be a Gaussian policy step
         window = [i for i in window if i < args.num_steps - 1]
@@ -410,77 +218,12 @@ def main(args: Args):
         raise common.UserError(
             f"num_sde_steps ({args.num_sde_steps}) must be between 1 and the SDE window size ({len(window)}: steps {window})"
         )
-    if args.win_rate_reward and args.advantage_aggregation == "gdpo":
-        raise common.UserError(
-            "--win-rate-reward ranks the weighted sum of the rewards, --advantage-aggregation gdpo normalises each reward"
-            " first: pick one"
-        )
-    if args.kl_mask < 0:
-        raise common.UserError(f"--kl-mask {args.kl_mask}: must be >= 0 (0 = PPO's ratio clip)")
-    if args.kl_mask > 0 and args.grpo_guard:
-        raise common.UserError("--kl-mask replaces the ratio clip that --grpo-guard normalises: pick one")
-    if args.kl_mask > 0 and run.given_flags(args) & {"clip_low", "clip_high"}:
-        raise common.UserError("--clip-low/--clip-high: --kl-mask replaces PPO's clip, so they would be unused; drop them")
-    if args.noise_weight < 0:
-        raise common.UserError(f"--noise-weight {args.noise_weight}: must be >= 0 (0 = off)")
-    if args.noise_weight > 0 and args.grpo_guard and args.guard_reweight:
-        raise common.UserError("--noise-weight and --grpo-guard's --guard-reweight both weight the steps: pick one")
-    if "window_shift" in run.given_flags(args) and args.window_mode != "sliding":
-        raise common.UserError("--window-shift moves the sliding window: pass --window-mode sliding too, or drop it")
-    if min(args.window_shift) < 1:
-        raise common.UserError(f"--window-shift {' '.join(map(str, args.window_shift))}: tau and s must be >= 1")
 
-    # TRY NOT TO MODIFY: batch geometry
-    if args.group_size < 2:
-        raise common.UserError("group_size must be >= 2: advantages are relative to the other images of a prompt")
-    total = args.num_prompts * args.group_size
-    per_rank_step = distributed.batch_layout(total, args.grad_steps_per_epoch, dist.world_size, args.micro_batch)
-    local_samples = per_rank_step * args.grad_steps_per_epoch
-    num_micro, micro_per_step = local_samples // args.micro_batch, per_rank_step // args.micro_batch
-    # this rank's share of every optimizer step's samples: N ranks compute exactly what one process computes
-    local_idx = distributed.rank_indices(total, args.grad_steps_per_epoch, dist.world_size, dist.rank)
-    if dist.is_main:
-        print(
-            f"group size K={args.group_size}, prompts/epoch M={args.num_prompts}, "
-            f"images/epoch={total} ({local_samples}/rank), micro-batch={args.micro_batch} x {num_micro}/rank, "
-            f"optimizer steps/epoch={args.grad_steps_per_epoch}, "
-            f"world size={dist.world_size}"
-        )
-
-    # TRY NOT TO MODIFY: prompts, rewards, model (the cheap checks first: a bad flag fails before a large model loads)
-    train_prompts, test_prompts = prompt_files.load_prompts(args.train_prompts), prompt_files.load_prompts(args.test_prompts)
-    rewards = load_rewards(args.reward, device, train_prompts + test_prompts)
-    pipe = models.load_pipeline(
-        args.model,
-        device,
-        models.DTYPES[args.base_dtype],
-        args.resolution,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        guidance_scale_2=args.guidance_scale_2,
-        shard=args.fsdp,
-    )
+    # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
+    total, local_idx, local_samples, num_micro, micro_per_step = harness.batch_layout(args, dist)
+    train_prompts, test_prompts, rewards = harness.load_data(args, device)
+    pipe, params, named, optimizer, encoder = harness.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
     transformer = pipe.transformer
-    torch.manual_seed(args.seed)  # identical LoRA init on every rank
-    params = models.trainable_params(transformer, args)
-    if args.learning_rate is None:
-        args.learning_rate = LEARNING_RATES["full" if args.full_finetune else "lora"]
-    distributed.check_same_on_all_ranks(params)
-    if args.fsdp:  # every rank keeps 1/N of every weight, the LoRA's too: params become this rank's shards
-        params = models.fully_shard_transformer(transformer, device, args.fsdp_cpu_offload)
-    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    if args.gradient_checkpointing:
-        models.enable_gradient_checkpointing(transformer)
-    if args.compile:
-        models.compile_transformer(transformer)
-    encoder = common.PromptEncoder(pipe, args.max_sequence_length, args.negative_prompt)
-    if args.offload_text_encoders:
-        encoder.precompute(train_prompts + test_prompts)
-        encoder.offload()
-    if dist.is_main:
-        print(f"trainable ({'full' if args.full_finetune else 'LoRA'}) params={sum(p.numel() for p in params):,}")
 
     # ALGO LOGIC: the state a checkpoint must carry beyond weights and optimizer
     snapshots = {}  # GRPO keeps no snapshot: old log-probs come from the rollout itself
@@ -490,41 +233,19 @@ def main(args: Args):
             f"PPO inner epochs={args.num_inner_epochs}"
         )
 
-    # TRY NOT TO MODIFY: generators, resume
-    # prompts come from one stream that every rank follows; all noise comes from streams keyed by (seed, epoch, purpose,
-    # global sample index) -- common.keyed_generators -- so it does not depend on the rank count or on a resume
-    prompt_gen = torch.Generator().manual_seed(args.seed)
-    eval_ema = models.EvalEMA(params, args.eval_ema_decay, args.eval_ema_interval, args.eval_ema_repeats)  # for eval only
-    start_epoch, step, images_seen = checkpoints.restore_state(ckpt, named, optimizer, snapshots, eval_ema, prompt_gen)
-    logger = logs.Logger(run_dir, args, ckpt, enabled=dist.is_main)  # the first write: after every check, the checkpoint too
+    # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar
+    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = harness.resume(
+        args, run_dir, ckpt, dist, params, named, optimizer, snapshots
+    )
 
     def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
-        checkpoints.save_state(
-            run_dir,
-            args,
-            pipe,
-            named,
-            optimizer,
-            snapshots,
-            eval_ema,
-            prompt_gen,
-            logger,
-            epoch=epoch,
-            step=step,
-            images_seen=images_seen,
+        harness.save(
+            run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, epoch, step, images_seen, __doc__
         )
-        export.export_model(run_dir, pipe, args, __doc__, epoch, logger, eval_ema)
 
     timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
     stopped_at = None
-    pbar = tqdm(
-        range(start_epoch, args.num_epochs),
-        disable=not dist.is_main,
-        desc=args.exp_name,
-        unit="epoch",
-        initial=start_epoch,
-        total=args.num_epochs,
-    )
+    pbar = harness.progress(args, dist, start_epoch)
     for epoch in pbar:
         if stop.requested:
             save(epoch)
@@ -542,7 +263,7 @@ def main(args: Args):
             cond = encoder.cond(prompts)
             scorer = common.Scorer(pipe, rewards, prompts, args.micro_batch, overlap=args.overlap_reward, epoch=epoch)
             # the same steps of the window on every rank (prompt_gen is shared), Flow-GRPO-Fast style
-            sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen, epoch, args.window_shift)
+            sde_steps = sde_window_steps(window, args.num_sde_steps, args.window_mode, prompt_gen)
             init_keys = local_idx // args.group_size if args.shared_group_noise else local_idx
             noise = common.randn(
                 (local_samples, *pipe.latent_shape), common.keyed_generators(args.seed, epoch, "init", indices=init_keys)
@@ -563,7 +284,6 @@ def main(args: Args):
                 use_autocast=args.mixed_precision,
                 schedule=args.sigma_schedule,
                 log_prob_form=args.log_prob_form,
-                keep_means=args.grpo_guard or args.kl_mask > 0,
                 chunk=scorer.chunk,
                 on_chunk=scorer,
             )
@@ -574,15 +294,9 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv_scores, adv_weights = scores, rewards.weights
-            if args.win_rate_reward:  # Pref-GRPO: the group win rate of the weighted reward is the reward
-                adv_scores, adv_weights = (
-                    {"win_rate": group_win_rates(rewards.total(scores), args.group_size)},
-                    {"win_rate": 1},
-                )
             adv = aggregate_advantages(
-                adv_scores,
-                adv_weights,
+                scores,
+                rewards.weights,
                 args.group_size,
                 args.advantage_aggregation,
                 args.advantage_std,
@@ -618,24 +332,10 @@ def main(args: Args):
                             sigma_cap=float(sigmas[1]),
                             log_prob_form=args.log_prob_form,
                         )
-                        old_log_prob = rollout.log_probs[sl, i]
-                        if args.grpo_guard:  # RatioNorm: the ratio is exp(guard_log_ratio), PPO-clipped as usual
-                            log_prob = guard_log_ratio(log_prob, old_log_prob, mean, rollout.means[sl, i], std)
-                            old_log_prob = torch.zeros_like(log_prob)
-                        step_weight = None if weight is None else weight[sl]
-                        if args.noise_weight > 0:  # TempFlow-GRPO: the policy term scaled by c x the step's std
-                            nw = noise_weights(std, x.shape[0], args.noise_weight)
-                            step_weight = nw if step_weight is None else step_weight * nw
-                        if args.kl_mask > 0:  # Flow-DPPO: the KL trust-region mask instead of the clip
-                            policy_loss, ratio, approx_kl, clipfrac = kl_mask_loss(
-                                log_prob, old_log_prob, mean, rollout.means[sl, i], std, adv[sl], args.kl_mask, step_weight
-                            )
-                        else:
-                            policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
-                                log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, step_weight
-                            )
-                        if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
-                            policy_loss = policy_loss / float(sigmas[i] - sigmas[i + 1])
+                        old_log_prob, mb_weight = rollout.log_probs[sl, i], None if weight is None else weight[sl]
+                        policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
+                            log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, mb_weight
+                        )
                         kl = torch.zeros((), device=device)
                         if args.kl_beta > 0:
                             with (
@@ -713,14 +413,7 @@ def main(args: Args):
     if stopped_at is None:
         logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
-    if dist.is_main:
-        done = "done" if stopped_at is None else f"stopped before epoch {stopped_at}; continue with --resume {run_dir}"
-        print(f"{done}  peak RSS {logs.peak_rss_mb():.0f} MB  run: {run_dir}")
-        if args.push_to_hub:
-            export.push_to_hub(export.export_dir(run_dir, args), args.push_to_hub)
-    logger.close()
-    distributed.cleanup_distributed()
-    stop.exit()  # exit code 143 after a SIGTERM, so that a scheduler does not take the run for finished
+    harness.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
 
 
 if __name__ == "__main__":

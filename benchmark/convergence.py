@@ -120,7 +120,7 @@ SETTINGS = {
     "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.01"]),
     "grpo_full_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     # GRPO-Guard's RatioNorm (arXiv 2510.22319): its remedy for a reward that falls under Flow-GRPO's biased ratios
-    "grpo_full_guard_lr1e-4": ("grpo", ["--full-finetune", "--learning-rate", "1e-4", "--grpo-guard"]),
+    "grpo_full_guard_lr1e-4": ("grpo_variants", ["--full-finetune", "--learning-rate", "1e-4", "--grpo-guard"]),
     "grpo_cfg4.5_kl0.04_full_lr1e-4": (
         "grpo",
         ["--guidance-scale", "4.5", "--kl-beta", "0.04", "--full-finetune", "--learning-rate", "1e-4"],
@@ -167,10 +167,10 @@ SETTINGS = {
     # issue algorithms-2's GRPO variants, each one flag on GRPO's defaults (docs/grpo.md item 11), with the value its
     # paper or code uses: MixGRPO's sliding window, TempFlow-GRPO's noise weight, Flow-DPPO's KL mask, Pref-GRPO's
     # win rate
-    "grpo_mixgrpo": ("grpo", ["--window-mode", "sliding", "--window-shift", "25", "1"]),
-    "grpo_tempflow": ("grpo", ["--noise-weight", "2.25"]),
-    "grpo_flow_dppo": ("grpo", ["--kl-mask", "1e-5"]),
-    "grpo_pref": ("grpo", ["--win-rate-reward"]),
+    "grpo_mixgrpo": ("grpo_variants", ["--window-mode", "sliding", "--window-shift", "25", "1"]),
+    "grpo_tempflow": ("grpo_variants", ["--noise-weight", "2.25"]),
+    "grpo_flow_dppo": ("grpo_variants", ["--kl-mask", "1e-5"]),
+    "grpo_pref": ("grpo_variants", ["--win-rate-reward"]),
 }
 # settings that run an algorithm file through a wrapper script instead of directly
 SCRIPTS = {"grpo_full_shuffled_lr1e-4": REPO / "benchmark" / "studies" / "shuffled_advantages.py"}
@@ -764,7 +764,11 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     protocol = ["--eval-noises", task["eval_noises"], "--keep-checkpoints", "2"]
     # the shapes LoRA settings ran when a LoRA was every file's default; they still train one (the OCR runs are at
     # the files' defaults of today, as are the edit runs)
-    lora = [] if "--full-finetune" in flags or algo == "grpo" or task is not TASKS["shapes"] else ["--no-full-finetune"]
+    lora = (
+        []
+        if "--full-finetune" in flags or algo in ("grpo", "grpo_variants") or task is not TASKS["shapes"]
+        else ["--no-full-finetune"]
+    )
     cmd = [*protocol, *every, *lora, *flags, "--seed", str(seed), "--num-epochs", str(epochs)]
     cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
     # the files' defaults are absolute paths (so that they run from any folder): pass the task's own, relative

@@ -29,10 +29,10 @@ for algo in awm crd dgpo dpo elbo_grpo grpo nft; do
   one "${algo}_fp32" $algo $extra &
   one "${algo}_bf16_lora" $algo $extra --no-full-finetune --base-dtype bfloat16 --mixed-precision &
 done
-one grpo_mixgrpo grpo --num-sde-steps 1 --window-mode sliding --window-shift 1 1 &
-one grpo_tempflow grpo --num-sde-steps 1 --noise-weight 2.25 &
-one grpo_flow_dppo grpo --num-sde-steps 1 --kl-mask 1e-5 &
-one grpo_pref grpo --num-sde-steps 1 --win-rate-reward &
+one grpo_mixgrpo grpo_variants --num-sde-steps 1 --window-mode sliding --window-shift 1 1 &
+one grpo_tempflow grpo_variants --num-sde-steps 1 --noise-weight 2.25 &
+one grpo_flow_dppo grpo_variants --num-sde-steps 1 --kl-mask 1e-5 &
+one grpo_pref grpo_variants --num-sde-steps 1 --win-rate-reward &
 wait
 echo "| run | train rc | resume rc | export |"
 echo "|---|---|---|---|"

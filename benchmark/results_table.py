@@ -25,9 +25,9 @@ from benchmark.convergence import mean_se, read_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TESTBEDS = {"tiny-shapes": "30 x 32", "tiny-shapes-8": "30 x 32", "tiny-text (OCR)": "64 x 8", "tiny-edit": "28 x 8"}
-# testbed, algorithm (a GRPO variant: "grpo (MixGRPO)", one flag of grpo.py), the results folder holding its final.jsonl
-# (and the base scored on the same noises), the setting's name in it, the committed export of one of its seeds (None:
-# not in the tree; each run's command remakes it)
+# testbed, algorithm (a GRPO variant: "grpo (MixGRPO)", a switch of algos/grpo_variants.py), the results folder
+# holding its final.jsonl (and the base scored on the same noises), the setting's name in it, the committed export of
+# one of its seeds (None: not in the tree; each run's command remakes it)
 ROWS = [
     ("tiny-shapes", "crd", "shapes_clean/rescore32", "crd", None),
     ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),

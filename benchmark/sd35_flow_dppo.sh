@@ -20,7 +20,7 @@ case "${TASK:-pickscore}" in
   *) echo "TASK must be pickscore or ocr" >&2; exit 2 ;;
 esac
 # geometry: M=48 prompts x K=16 = 768 images per epoch, 8 GPUs x micro-batch 8 -> 12 micro-batches per rank, 2 steps
-torchrun --nproc-per-node 8 algos/grpo.py \
+torchrun --nproc-per-node 8 algos/grpo_variants.py \
   --model stabilityai/stable-diffusion-3.5-medium --base-dtype bfloat16 --mixed-precision --resolution 512 \
   --reward pickscore --train-prompts "$DATA/train.txt" --test-prompts "$DATA/test.txt" \
   --num-steps 10 --sigma-schedule pipeline --guidance-scale 1.0 --dynamics Flow-SDE --eta 0.7 \

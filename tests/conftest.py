@@ -257,12 +257,12 @@ def env_key(env) -> tuple:
 
 def fork_server(argv, env) -> "ForkServer | None":
     """The fork server for a `python <argv>` run under `env` (None: this process's), or None where the run takes a
-    fresh interpreter: not a script; CLEANFLOW_TEST_FORK unset (the servers are opt-in, CLEANFLOW_TEST_FORK=1, until
-    the whole suite passes with them: a first full run on 2 AMD cores failed a handful of tests, not yet diagnosed);
-    or the first run under this environment (a test's own variables make an environment used once; a server started
-    with it would cost what it saves). A server is started with exactly the run's environment (a package reads some
+    fresh interpreter: not a script; CLEANFLOW_TEST_FORK=0 (every script run a fresh interpreter, for a doubt about
+    the server: tests/test_forkserver.py compares its children with fresh interpreters); or the first run under this
+    environment (a test's own variables make an environment used once; a server started with it would cost what it
+    saves). A server is started with exactly the run's environment (a package reads some
     variables once, at import), from its second run on; the MAX_FORK_SERVERS most recent are kept."""
-    if os.environ.get("CLEANFLOW_TEST_FORK") != "1" or not str(argv[0]).endswith(".py"):
+    if os.environ.get("CLEANFLOW_TEST_FORK") == "0" or not str(argv[0]).endswith(".py"):
         return None
     key = env_key(os.environ if env is None else env)
     _requests[key] = _requests.get(key, 0) + 1

@@ -58,6 +58,24 @@ ATTRS = {  # diffusers and transformers import their classes lazily, on first at
 }
 
 
+def quiet_transformers():
+    """The pipeline classes import image processors that warn, through transformers' logger, that torchvision is
+    missing. A script run never reaches that import by attribute as ATTRS does (or silences it itself:
+    assets/build_tiny_edit.py), so the preload keeps it out of what every child would replay."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    for name in ATTRS["diffusers"]:
+        try:
+            getattr(importlib.import_module("diffusers"), name)
+        except (ImportError, AttributeError):
+            pass
+    transformers.logging.set_verbosity(verbosity)
+
+
 def preload() -> bytes:
     """Import PRELOAD and ATTRS with fd 2 sent to a file; returns what they wrote there."""
     with tempfile.TemporaryFile() as f:
@@ -65,6 +83,7 @@ def preload() -> bytes:
         sys.stderr.flush()
         os.dup2(f.fileno(), 2)
         try:
+            quiet_transformers()
             for name in PRELOAD:
                 try:
                     module = importlib.import_module(name)
@@ -101,15 +120,16 @@ def child(request: dict, import_stderr: bytes):
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     import runpy
 
+    path = os.path.abspath(script)
     try:
-        runpy.run_path(os.path.abspath(script), run_name="__main__")  # __file__ absolute, as the interpreter's
+        runpy.run_path(path, run_name="__main__")  # __file__ absolute, as the interpreter's
     except SystemExit:
         raise  # the interpreter exits with its code, as a script's would
     except BaseException as e:  # reported from the script's frames on, as the interpreter would
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:  # this file's and runpy's frames
             tb = tb.tb_next
-        sys.excepthook(type(e), e, tb)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints e.__traceback__
         if isinstance(e, KeyboardInterrupt):  # the interpreter ends by SIGINT then
             import signal
 

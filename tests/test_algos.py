@@ -26,6 +26,8 @@ FLAGS = {
     "crd": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --gradient-checkpointing --offload-text-encoders",
     # + the papers' eval protocol
     "grpo": "--grad-steps-per-epoch 1 --num-sde-steps 1 --eval-ema-decay 0.9 --eval-num-steps 3",
+    # MixGRPO's window moves each epoch (a resume must continue it) and TempFlow's weights scale the loss
+    "grpo_variants": "--grad-steps-per-epoch 1 --num-sde-steps 1 --window-mode sliding --window-shift 1 1 --noise-weight 2.25",
     "dgpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --off-policy-after 1 --ema-ref-decay-ramp 0.1",
     "dpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --pairs-per-group all",
     "elbo_grpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01",

@@ -24,18 +24,28 @@ import checkpoints
 import common
 import export
 import models
+import pair_files
 import prompt_files
 import run
-from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, nft
+from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, grpo_variants, nft
 
-ALGOS = {"awm": awm, "crd": crd, "dgpo": dgpo, "dpo": dpo, "elbo_grpo": elbo_grpo, "grpo": grpo, "nft": nft}
+ALGOS = {
+    "awm": awm,
+    "crd": crd,
+    "dgpo": dgpo,
+    "dpo": dpo,
+    "elbo_grpo": elbo_grpo,
+    "grpo": grpo,
+    "grpo_variants": grpo_variants,
+    "nft": nft,
+}
 TINY = (
     "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --no-full-finetune"
 )
 TINY = TINY.split()  # a LoRA, as on a real model (the tiny models' default trains every weight)
 # what makes TINY valid for a script (GRPO's default 4 SDE steps do not fit the window of 4 steps): only the case's own
 # flag may be wrong
-VALID = {"grpo": ["--num-sde-steps", "1"]}
+VALID = {"grpo": ["--num-sde-steps", "1"], "grpo_variants": ["--num-sde-steps", "1"]}
 LONG = "a red circle " + "and " * 2500  # 10,000 characters the reward cannot parse
 
 # flags -> a piece of the one error line; {tmp} is the test's folder. Shared checks: run for every script.
@@ -117,15 +127,23 @@ SPECIFIC = [
     ("grpo", "--dynamics ODE", "Flow-GRPO needs per-step log-probs"),
     ("grpo", "--num-sde-steps 9", "num_sde_steps (9) must be between 1 and the SDE window size"),
     ("grpo", "--dynamics CPS --eta 2", "CPS needs eta in [0, 1]"),
-    ("grpo", "--window-mode sliding --window-shift 0 1", "--window-shift 0 1: tau and s must be >= 1"),
-    ("grpo", "--window-mode sliding --num-sde-steps 5", "num_sde_steps (5) must be between 1 and the SDE window size"),
-    ("grpo", "--window-mode sliding --dynamics ODE", "Flow-GRPO needs per-step log-probs"),
-    ("grpo", "--noise-weight=-1", "--noise-weight -1.0: must be >= 0"),
-    ("grpo", "--kl-mask=-1e-5", "--kl-mask -1e-05: must be >= 0"),
-    ("grpo", "--win-rate-reward --advantage-aggregation gdpo", "--win-rate-reward ranks the weighted sum of the rewards"),
-    ("grpo", "--kl-mask 1e-5 --grpo-guard", "--kl-mask replaces the ratio clip that --grpo-guard normalises"),
-    ("grpo", "--kl-mask 1e-5 --clip-high 1e-4", "--clip-low/--clip-high: --kl-mask replaces PPO's clip"),
-    ("grpo", "--noise-weight 2.25 --grpo-guard", "--noise-weight and --grpo-guard's --guard-reweight both weight"),
+    ("grpo_variants", "--window-mode sliding --window-shift 0 1", "--window-shift 0 1: tau and s must be >= 1"),
+    (
+        "grpo_variants",
+        "--window-mode sliding --num-sde-steps 5",
+        "num_sde_steps (5) must be between 1 and the SDE window size",
+    ),
+    ("grpo_variants", "--window-mode sliding --dynamics ODE", "Flow-GRPO needs per-step log-probs"),
+    ("grpo_variants", "--noise-weight=-1", "--noise-weight -1.0: must be >= 0"),
+    ("grpo_variants", "--kl-mask=-1e-5", "--kl-mask -1e-05: must be >= 0"),
+    (
+        "grpo_variants",
+        "--win-rate-reward --advantage-aggregation gdpo",
+        "--win-rate-reward ranks the weighted sum of the rewards",
+    ),
+    ("grpo_variants", "--kl-mask 1e-5 --grpo-guard", "--kl-mask replaces the ratio clip that --grpo-guard normalises"),
+    ("grpo_variants", "--kl-mask 1e-5 --clip-high 1e-4", "--clip-low/--clip-high: --kl-mask replaces PPO's clip"),
+    ("grpo_variants", "--noise-weight 2.25 --grpo-guard", "--noise-weight and --grpo-guard's --guard-reweight both weight"),
     ("nft", "--nft-beta 0", "nft_beta (0.0) must be > 0"),
     ("nft", "--old-decay-max 2", "--old-decay-max 2.0: must be in [0, 1]"),
     ("crd", "--micro-batch 2", "must hold whole groups"),
@@ -188,7 +206,7 @@ SPECIFIC = [
     ("grpo", "--clip-high=-0.1", "--clip-high -0.1: must be >= 0"),
     ("crd", "--adv-clip 0", "--adv-clip 0.0: must be > 0"),
     ("nft", "--num-steps 1000000000", "--num-steps 1000000000: at most 1000 sampler steps"),
-    ("grpo", "--window-shift 25 1", "--window-shift moves the sliding window: pass --window-mode sliding too"),
+    ("grpo_variants", "--window-shift 25 1", "--window-shift moves the sliding window: pass --window-mode sliding too"),
 ]
 CASES = [(algo, flags, msg) for flags, msg in SHARED.items() for algo in ALGOS] + SPECIFIC
 # the ocr reward's prompt check runs its engine's package: without the extra, the case is its install line instead
@@ -595,7 +613,7 @@ def test_one_image_loader_converts_16_bit_and_applies_exif_orientation(tmp_path)
     Image.fromarray(np.zeros((16, 8, 3), np.uint8)).save(tmp_path / "other.png")  # upright size
     line = '{"prompt": "a red circle", "chosen": "%s", "rejected": "other.png"}\n'
     (tmp_path / "pairs.jsonl").write_text(line % "turned.png" + line % "upright.png")
-    _, chosen, _ = dpo.load_pairs(str(tmp_path / "pairs.jsonl"), None, None)
+    _, chosen, _ = pair_files.load_pairs(str(tmp_path / "pairs.jsonl"), None, None)
     assert chosen.shape == (2, 16, 8, 3) and np.array_equal(chosen[0], chosen[1])
     assert np.array_equal(chosen[0], np.rot90(wide, -1))
 
@@ -635,6 +653,7 @@ sys.path[:0] = [{repo!r}, {repo!r} + "/algos"]
 import common, nft, tyro
 import run
 import models
+import pair_files
 def loading(*args, **kwargs):  # Ctrl-C arrives while the model loads
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)

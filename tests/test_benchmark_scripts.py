@@ -654,8 +654,8 @@ def test_gradient_noise_shuffles_dpo_pairs():
     [
         (
             ["sft"],
-            "usage: gradient_noise.py {grpo,dgpo,nft,awm,crd,dpo,elbo_grpo} [--out FILE] [--shuffled-advantages] [flags] "
-            "| table FOLDER",
+            "usage: gradient_noise.py {grpo,grpo_variants,dgpo,nft,awm,crd,dpo,elbo_grpo} [--out FILE] "
+            "[--shuffled-advantages] [flags] | table FOLDER",
         ),
         (
             ["grpo", "--out", "no/such/folder/g.json"],

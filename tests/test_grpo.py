@@ -6,7 +6,7 @@ import torch
 from conftest import run_in_process, run_script, scalars
 
 import common
-from algos import grpo
+from algos import grpo, grpo_variants
 
 
 def test_ppo_loss_matches_explicit_loop_and_gradient():
@@ -123,7 +123,7 @@ def test_guard_log_ratio_is_noise_dot_mean_shift():
     s, s_next, eta = 0.8, 0.65, 0.7
     x_next, old_logp, old_mean, std = common.sde_step(x, v_old, s, s_next, "Flow-SDE", eta, noise=z)
     _, logp, mean, _ = common.sde_step(x, v, s, s_next, "Flow-SDE", eta, x_next=x_next)
-    ours = grpo.guard_log_ratio(logp, old_logp, mean, old_mean, std)
+    ours = grpo_variants.guard_log_ratio(logp, old_logp, mean, old_mean, std)
     torch.testing.assert_close(ours, (z * (mean - old_mean)).mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-4)
     plain = logp - old_logp  # its expectation over z is -KL < 0; RatioNorm's is exactly 0 (linear in z)
     bias = ((mean - old_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * std**2)
@@ -164,14 +164,17 @@ def test_paper_options_run_end_to_end(tmp_path, capsys):
         "--output-dir",
         tmp_path / "runs",
     ]
-    rc = run_in_process(grpo, [*base, "--grpo-guard", "--log-prob-form", "mse"])
+    rc = run_in_process(grpo_variants, [*base, "--grpo-guard", "--log-prob-form", "mse"])
     assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --grpo-guard")
-    for flags in (
-        "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
-        "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3",
-        "--kl-mask 1e-5 --num-inner-epochs 2 --num-sde-steps 2 --win-rate-reward",  # Flow-DPPO keeps the steps' means
+    for script, flags in (
+        (
+            "grpo_variants",
+            "--grpo-guard --kl-beta 0.04 --kl-form official --window-mode contiguous --num-sde-steps 2 --zero-adv-filter",
+        ),
+        ("grpo", "--dynamics CPS --log-prob-form mse --num-sde-steps 1 --sde-window 0 3"),
+        ("grpo_variants", "--kl-mask 1e-5 --num-inner-epochs 2 --num-sde-steps 2 --win-rate-reward"),  # DPPO: the means
     ):
-        out = run_script(["algos/grpo.py", *base, *flags.split()], check=False)
+        out = run_script([f"algos/{script}.py", *base, *flags.split()], check=False)
         assert out.returncode == 0 and "final eval" in out.stdout, out.stderr[-2000:]
 
 
@@ -189,7 +192,7 @@ def test_sliding_window_moves_every_tau_epochs_and_rolls_back():
             if start + w > len(window):
                 start = 0
     gen = torch.Generator().manual_seed(0)
-    ours = [grpo.sde_window_steps(window, w, "sliding", gen, epoch, (tau, s)) for epoch in range(60)]
+    ours = [grpo_variants.sde_window_steps(window, w, "sliding", gen, epoch, (tau, s)) for epoch in range(60)]
     assert ours == expected
     assert {tuple(x) for x in ours} == {(1, 2, 3, 4), (3, 4, 5, 6), (5, 6, 7, 8)}
     assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # draws nothing: resume-exact
@@ -202,7 +205,7 @@ def test_sliding_window_rollout_is_ode_outside_the_window(random_pipeline_dir):
 
     pipe = models.load_pipeline(random_pipeline_dir, torch.device("cpu"))
     cond = common.PromptEncoder(pipe).cond(["a red circle", "a blue square"], negative=False)
-    steps = grpo.sde_window_steps(list(range(1, 9)), 3, "sliding", torch.Generator(), epoch=7, shift=(2, 1))
+    steps = grpo_variants.sde_window_steps(list(range(1, 9)), 3, "sliding", torch.Generator(), epoch=7, shift=(2, 1))
     assert steps == [4, 5, 6]
     noise = torch.randn(2, *pipe.latent_shape, generator=torch.Generator().manual_seed(3))
 
@@ -231,7 +234,7 @@ def test_noise_weighted_ppo_loss_matches_numpy():
     losses = {}
     for s, s_next in ((0.9, 0.8), (0.3, 0.2)):
         std = common.sde_step(x, v, s, s_next, "Flow-SDE", eta)[3]
-        w = grpo.noise_weights(std, 4, c)
+        w = grpo_variants.noise_weights(std, 4, c)
         loss = grpo.ppo_loss(logp, old, adv, 1e-3, 1e-3, w.double())[0]
         std_np = eta * np.sqrt(s / (1 - s)) * np.sqrt(s - s_next)
         ref = [
@@ -242,7 +245,7 @@ def test_noise_weighted_ppo_loss_matches_numpy():
         losses[s] = (loss.item(), std_np)
     (early, s_early), (late, s_late) = losses[0.9], losses[0.3]
     assert s_early > s_late and early / late == pytest.approx(s_early / s_late, rel=1e-5)
-    per_sample = grpo.noise_weights(torch.tensor([0.1, 0.2]).view(2, 1, 1, 1), 2, 2.0)  # CPS-style per-sample stds
+    per_sample = grpo_variants.noise_weights(torch.tensor([0.1, 0.2]).view(2, 1, 1, 1), 2, 2.0)  # CPS-style per-sample stds
     torch.testing.assert_close(per_sample, torch.tensor([0.2, 0.4]))
 
 
@@ -264,7 +267,7 @@ def test_official_noise_weight_averages_one_over_sd35_trained_steps():
         common.sde_step(x, x, float(sig[i]), float(sig[i + 1]), "Flow-SDE", eta, sigma_cap=float(cap))[3] for i in range(9)
     ]
     np.testing.assert_allclose([float(s.reshape(-1)[0]) for s in stds], s_np, rtol=1e-5)
-    weights = torch.cat([grpo.noise_weights(s, 1, 2.25) for s in stds])
+    weights = torch.cat([grpo_variants.noise_weights(s, 1, 2.25) for s in stds])
     assert weights.mean().item() == pytest.approx(1.0, abs=5e-3)
     assert weights[0] > 1 > weights[-1]  # the early, noisy steps weigh more
 
@@ -278,7 +281,7 @@ def test_sliding_window_and_noise_weight_train_end_to_end(tmp_path):
         "--micro-batch 4 --num-steps 5 --num-epochs 4 --grad-steps-per-epoch 1 --eval-every 5 "
         f"--window-mode sliding --window-shift 1 1 --num-sde-steps 2 --noise-weight 2.25 --output-dir {tmp_path / 'runs'}"
     )
-    run_script(["algos/grpo.py", *flags.split()])
+    run_script(["algos/grpo_variants.py", *flags.split()])
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert scalars(run_dir)["charts/sde_steps_mean"] == [1.5, 2.5, 1.5, 2.5]  # window 1..3: runs [1, 2], [2, 3]
 
@@ -298,7 +301,7 @@ def test_kl_mask_loss_matches_an_explicit_loop_and_gradient():
     _, logp, mean, _ = common.sde_step(x, v, s, s_next, "Flow-SDE", eta, x_next=x_next)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -2.0], dtype=torch.float64)  # away: 1 (r > 1, A > 0), 3 (r < 1, A < 0)
     tau = 1e-3
-    loss, ratio, _, maskfrac = grpo.kl_mask_loss(logp, old_logp, mean, old_mean, std, adv, tau)
+    loss, ratio, _, maskfrac = grpo_variants.kl_mask_loss(logp, old_logp, mean, old_mean, std, adv, tau)
 
     mu, mu_old, sd = mean.detach().numpy(), old_mean.numpy(), float(std)
     r = np.exp((logp - old_logp).detach().numpy())
@@ -329,13 +332,63 @@ def test_group_win_rates_match_a_pairwise_loop():
         for i, ri in enumerate(group):
             score = sum(1.0 if ri > rj else 0.5 if ri == rj else 0.0 for j, rj in enumerate(group) if j != i)
             ref.append(score / (k - 1))
-    ours = grpo.group_win_rates(rewards, k)
+    ours = grpo_variants.group_win_rates(rewards, k)
     np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-7)
     assert ref[:4] == [0.5, 1.0, 0.5, 0.0] and ref[8:] == [0.5] * 4
     # only the order counts: a group with an outlier gets the advantages of any group ordered like it, and a flat group
     # (all ties) gets advantage 0
     same_order = torch.tensor([0.3, 0.31, 0.3, 0.29, 5.0, -1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
-    adv = grpo.group_advantages(grpo.group_win_rates(rewards, k), k)
-    torch.testing.assert_close(adv, grpo.group_advantages(grpo.group_win_rates(same_order, k), k))
+    adv = grpo.group_advantages(grpo_variants.group_win_rates(rewards, k), k)
+    torch.testing.assert_close(adv, grpo.group_advantages(grpo_variants.group_win_rates(same_order, k), k))
     assert not torch.allclose(grpo.group_advantages(rewards, k), grpo.group_advantages(same_order, k))
     assert (adv[8:] == 0).all()
+
+
+def test_the_variants_file_without_a_switch_is_plain_flow_grpo(tmp_path):
+    """algos/grpo_variants.py with none of its papers' switches trains what algos/grpo.py trains, weight for weight
+    (the variants are changes to Flow-GRPO, not another Flow-GRPO), on a run with the KL, the zero-advantage filter and
+    two inner epochs on."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
+    flags = (
+        f"--train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 --group-size 4 "
+        "--micro-batch 4 --num-steps 4 --num-epochs 2 --grad-steps-per-epoch 1 --eval-every 5 --num-sde-steps 2 "
+        "--kl-beta 0.04 --zero-adv-filter --num-inner-epochs 2 --window-mode contiguous"
+    ).split()
+    weights = []
+    for script in ("grpo", "grpo_variants"):
+        run_script([f"algos/{script}.py", *flags, "--output-dir", tmp_path / script])
+        (run_dir,) = (tmp_path / script).iterdir()
+        weights.append(load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+@pytest.mark.parametrize(
+    "flag, value, refused",
+    [("grpo_guard", False, False), ("grpo_guard", True, True), ("window_mode", "sliding", True), ("kl_mask", 1e-5, True)],
+)
+def test_a_checkpoint_from_before_the_variants_moved_resumes_only_if_it_used_none(tmp_path, capsys, flag, value, refused):
+    """A grpo.py checkpoint made when the variants' flags were grpo.py's: resumed where they did nothing (they are
+    dropped), refused by name where the run used one (it is not plain Flow-GRPO), nothing written."""
+    (tmp_path / "p.txt").write_text("a red circle\na blue square\n")
+    base = (
+        f"--train-prompts {tmp_path / 'p.txt'} --test-prompts {tmp_path / 'p.txt'} --num-prompts 2 --group-size 4 "
+        f"--micro-batch 4 --num-steps 4 --grad-steps-per-epoch 1 --eval-every 5 --num-sde-steps 1 --output-dir {tmp_path}"
+    ).split()
+    assert run_in_process(grpo, [*base, "--num-epochs", "1"]) == 0
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    path = (run_dir / "checkpoints" / "last" / "state.pt").resolve()
+    state = torch.load(path, weights_only=True)
+    old = {"window_shift": [25, 1], "grpo_guard": False, "guard_reweight": True, "noise_weight": 0.0, "kl_mask": 0.0}
+    state["args"].update({**old, "win_rate_reward": False, flag: value})
+    torch.save(state, path)
+    capsys.readouterr()
+    rc = run_in_process(grpo, ["--resume", str(run_dir), "--num-epochs", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    if refused:
+        assert rc == 2 and len(err) == 1 and f"--{flag.replace('_', '-')}" in err[0] and "grpo_variants.py" in err[0]
+    else:
+        assert rc == 0, err

@@ -282,7 +282,7 @@ ELBO_GRPO = {
     "mixed_precision": (False, RDS + "config/base.py mixed_precision 'no'"),
 }
 # Flow-DPPO: the authors' SD3.5 recipe in Tencent-Hunyuan/UniRL (FlowDPPO/README.md); no OCR config, so TASK=ocr keeps
-# these values. Its script runs algos/grpo.py (the method is grpo.py's --kl-mask)
+# these values. Its script runs algos/grpo_variants.py (the method is its --kl-mask)
 UNIRL = "Tencent-Hunyuan/UniRL@1a7b501 "
 DPPO_CFG = UNIRL + "examples/diffusion/sd3_flowdppo.yaml:"
 FLOW_DPPO = {
@@ -346,7 +346,7 @@ MIXGRPO = {
     "mixed_precision": (True, MIX_CFG + "25 (autocast_precision bf16)"),
 }
 # a paper script named after a method that one of the algos/ scripts runs with a flag
-SCRIPT_ALGO = {"flow_dppo": "grpo", "mixgrpo": "grpo"}
+SCRIPT_ALGO = {"flow_dppo": "grpo_variants", "mixgrpo": "grpo_variants"}
 OFFICIAL = {
     "grpo": {
         "pickscore": {

@@ -33,14 +33,13 @@ def shared_blocks(path: Path) -> list:
 
 
 def test_the_shared_plumbing_is_under_banners():
-    """The loop's shared pieces -- resume and save, the optimizer step with its non-finite-gradient guard, the logging
-    block -- are inside `# TRY NOT TO MODIFY:` blocks, so the identity test below covers them."""
+    """The loop's shared pieces -- resume, save and close (harness.py), the optimizer step with its non-finite-gradient
+    guard, the logging block -- are inside `# TRY NOT TO MODIFY:` blocks, so the identity test below covers them."""
     text = "\n".join(shared_blocks(ALGOS[0]))
     for piece in (
-        "checkpoints.restore_state(",
-        "checkpoints.save_state(",
-        "export.export_model(",
-        "stop.exit()",
+        "harness.resume(",
+        "harness.save(",
+        "harness.close(",
         "distributed.clip_grad_norm(params, args.max_grad_norm)",
         "finite_grads(grad_norm, lambda: save(epoch))",
         "optimizer.step()",
@@ -62,17 +61,45 @@ def test_shared_blocks_identical_to_crd(path):
         assert a == b, f"{path.name}: shared block '{a.splitlines()[0].strip()}' differs from crd.py"
 
 
+def dataclass_fields(path: Path) -> dict:
+    """{class name: [field names]} of every top-level class of `path` that declares fields, each field checked to be
+    followed by its docstring (tyro turns it into the --help text)."""
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names = []
+            for i, item in enumerate(node.body):
+                if isinstance(item, ast.AnnAssign):
+                    nxt = node.body[i + 1] if i + 1 < len(node.body) else None
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), f"{path.name}: {item.target.id}"
+                    names.append(item.target.id)
+            if names:
+                out[node.name] = names
+    return out
+
+
 @pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
 def test_every_flag_is_documented(path):
-    """Each Args field is followed by a docstring (tyro turns it into the --help text)."""
+    """Each flag is followed by a docstring, the script's own and the shared ones (flags.SharedArgs); the module
+    docstring cites the paper."""
+    dataclass_fields(path)
+    dataclass_fields(path.parents[1] / "flags.py")
+    assert re.search(r"arXiv \d{4}\.\d{5}", path.read_text().split('"""')[1]), "module docstring cites the arXiv id"
+
+
+@pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
+def test_args_opens_with_the_algorithm_and_declares_the_shared_flags_once(path):
+    """`Args` = the algorithm's own dataclass, then flags.SharedArgs: the algorithm's flags open --help, at most 30 are
+    declared in the file, and a shared flag is declared again only where this script's default or help differs."""
+    shared = dataclass_fields(path.parents[1] / "flags.py")["SharedArgs"]
+    classes = dataclass_fields(path)
+    (own,) = [names for name, names in classes.items() if name != "Args"]
+    assert not set(own) & set(shared), f"{path.name} declares shared flags as its own: {sorted(set(own) & set(shared))}"
+    assert set(classes.get("Args", ())) <= set(shared), "Args declares a flag that is neither the algorithm's nor shared"
+    assert len(own) + len(classes.get("Args", ())) <= 30
     tree = ast.parse(path.read_text())
     (args,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"]
-    body = args.body
-    for i, node in enumerate(body):
-        if isinstance(node, ast.AnnAssign):
-            nxt = body[i + 1] if i + 1 < len(body) else None
-            assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), f"{path.name}: {node.target.id}"
-    assert re.search(r"arXiv \d{4}\.\d{5}", path.read_text().split('"""')[1]), "module docstring cites the arXiv id"
+    assert [ast.unparse(b) for b in args.bases] == ["flags.SharedArgs", next(n for n in classes if n != "Args")]
 
 
 def top_level_sources(path: Path) -> dict:
@@ -177,3 +204,6 @@ def test_help_fits_on_110_lines_at_120_columns(path):
     out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--num-epochs" in out.stdout and len(out.stdout.splitlines()) <= 110, len(out.stdout.splitlines())
+    first_own = next(names for name, names in dataclass_fields(path).items() if name != "Args")[0]
+    flags = re.findall(r"^│ (--[a-z0-9-]+)", out.stdout, re.M)
+    assert flags[0] == "--" + first_own.replace("_", "-"), f"--help opens with {flags[0]}, not the algorithm's flags"

@@ -40,7 +40,7 @@ import torch
 import tyro
 
 REPO = Path(__file__).resolve().parents[2]
-ALGOS = ("grpo", "dgpo", "nft", "awm", "crd", "dpo", "elbo_grpo")
+ALGOS = ("grpo", "grpo_variants", "dgpo", "nft", "awm", "crd", "dpo", "elbo_grpo")
 
 
 class Recorder:
