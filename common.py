@@ -1,7 +1,7 @@
 """The sampler and reward helpers the algorithm files share: prompt encoding, the velocity call, sigma schedules,
-ODE/SDE steps with log-probs, the rollout and the reward scorer. Run management lives in run.py, the held-out
-evaluation in logs.py, torchrun plumbing in distributed.py, loading and LoRA in models/. No algorithm math here: each
-file forms its own advantages.
+ODE/SDE steps with log-probs, the rollout and the reward scorer. Run management lives in harness/ (the held-out
+evaluation in harness/evaluation.py, torchrun plumbing in harness/distributed.py), loading and LoRA in models/. No
+algorithm math here: each file forms its own advantages.
 
 Conventions: sigma = 1 is noise, 0 data; x_t = (1 - sigma) x0 + sigma eps; the model predicts v = eps - x0, so
 x0_hat = x_t - sigma v; an Euler step is x_next = x + (sigma_next - sigma) v; SD3 takes timestep = 1000 sigma.

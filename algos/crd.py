@@ -14,12 +14,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import distributed  # noqa: E402
-import flags  # noqa: E402
-import harness  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
-import run  # noqa: E402
+from harness import flags, shell  # noqa: E402
 
 # --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
 # (benchmark/results/shapes_clean/tuning.md)
@@ -260,7 +256,7 @@ def update_ema(ema, params, decay: float):
 
 def main(args: Args):
     # TRY NOT TO MODIFY: the run folder (a resumed run's flags restored), the ranks, the seeds
-    run_dir, ckpt, dist = harness.start(args, __file__)
+    run_dir, ckpt, dist = shell.start(args, __file__)
     device = dist.device
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
@@ -271,9 +267,9 @@ def main(args: Args):
         )
 
     # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
-    total, local_idx, local_samples, num_micro, micro_per_step = harness.batch_layout(args, dist)
-    train_prompts, test_prompts, rewards = harness.load_data(args, device)
-    pipe, params, named, optimizer, encoder = harness.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
+    total, local_idx, local_samples, num_micro, micro_per_step = shell.batch_layout(args, dist)
+    train_prompts, test_prompts, rewards = shell.load_data(args, device)
+    pipe, params, named, optimizer, encoder = shell.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
     transformer = pipe.transformer
 
     # ALGO LOGIC: the "old" snapshot (implicit-reward reference) and the "sampling" snapshot (rollout policy)
@@ -289,25 +285,25 @@ def main(args: Args):
         )
 
     # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar
-    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = harness.resume(
+    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = shell.resume(
         args, run_dir, ckpt, dist, params, named, optimizer, snapshots
     )
 
     def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
-        harness.save(
+        shell.save(
             run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, epoch, step, images_seen, __doc__
         )
 
-    timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
+    timer, stop, finite_grads = shell.Timer(), shell.GracefulStop(), shell.FiniteGradients()
     stopped_at = None
-    pbar = harness.progress(args, dist, start_epoch)
+    pbar = shell.progress(args, dist, start_epoch)
     for epoch in pbar:
         if stop.requested:
             save(epoch)
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            shell.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -339,7 +335,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
-            scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
+            scores = shell.gather_scores(local_scores, total, args.grad_steps_per_epoch)
             adv = aggregate_advantages(
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )
@@ -392,8 +388,8 @@ def main(args: Args):
                 # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
                 k += 1
                 if k % per_step == 0:
-                    distributed.all_reduce_grads(params)
-                    grad_norm = distributed.clip_grad_norm(params, args.max_grad_norm)
+                    shell.all_reduce_grads(params)
+                    grad_norm = shell.clip_grad_norm(params, args.max_grad_norm)
                     if finite_grads(grad_norm, lambda: save(epoch)):
                         optimizer.step()
                         step += 1
@@ -429,10 +425,10 @@ def main(args: Args):
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
-            **{f"losses/{k}": logs.nanmean(v) for k, v in stats.items()},
+            **{f"losses/{k}": shell.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
-        metrics = {k: distributed.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        metrics = {k: shell.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
             logger.images(
@@ -445,10 +441,10 @@ def main(args: Args):
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close
     if stopped_at is None:
-        logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
+        shell.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
-    harness.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
+    shell.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
 
 
 if __name__ == "__main__":
-    run.run_main(main, run.cli(Args))
+    shell.run_main(main, shell.cli(Args))

@@ -21,12 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import distributed  # noqa: E402
-import flags  # noqa: E402
-import harness  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
-import run  # noqa: E402
+from harness import flags, shell  # noqa: E402
 
 # --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
 # (benchmark/results/shapes_clean/tuning.md)
@@ -289,7 +285,7 @@ def sde_window_steps(
 
 def main(args: Args):
     # TRY NOT TO MODIFY: the run folder (a resumed run's flags restored), the ranks, the seeds
-    run_dir, ckpt, dist = harness.start(args, __file__)
+    run_dir, ckpt, dist = shell.start(args, __file__)
     device = dist.device
 
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
@@ -315,21 +311,21 @@ def main(args: Args):
         raise common.UserError(f"--kl-mask {args.kl_mask}: must be >= 0 (0 = PPO's ratio clip)")
     if args.kl_mask > 0 and args.grpo_guard:
         raise common.UserError("--kl-mask replaces the ratio clip that --grpo-guard normalises: pick one")
-    if args.kl_mask > 0 and run.given_flags(args) & {"clip_low", "clip_high"}:
+    if args.kl_mask > 0 and shell.given_flags(args) & {"clip_low", "clip_high"}:
         raise common.UserError("--clip-low/--clip-high: --kl-mask replaces PPO's clip, so they would be unused; drop them")
     if args.noise_weight < 0:
         raise common.UserError(f"--noise-weight {args.noise_weight}: must be >= 0 (0 = off)")
     if args.noise_weight > 0 and args.grpo_guard and args.guard_reweight:
         raise common.UserError("--noise-weight and --grpo-guard's --guard-reweight both weight the steps: pick one")
-    if "window_shift" in run.given_flags(args) and args.window_mode != "sliding":
+    if "window_shift" in shell.given_flags(args) and args.window_mode != "sliding":
         raise common.UserError("--window-shift moves the sliding window: pass --window-mode sliding too, or drop it")
     if min(args.window_shift) < 1:
         raise common.UserError(f"--window-shift {' '.join(map(str, args.window_shift))}: tau and s must be >= 1")
 
     # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
-    total, local_idx, local_samples, num_micro, micro_per_step = harness.batch_layout(args, dist)
-    train_prompts, test_prompts, rewards = harness.load_data(args, device)
-    pipe, params, named, optimizer, encoder = harness.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
+    total, local_idx, local_samples, num_micro, micro_per_step = shell.batch_layout(args, dist)
+    train_prompts, test_prompts, rewards = shell.load_data(args, device)
+    pipe, params, named, optimizer, encoder = shell.load_model(args, dist, LEARNING_RATES, train_prompts + test_prompts)
     transformer = pipe.transformer
 
     # ALGO LOGIC: the state a checkpoint must carry beyond weights and optimizer
@@ -341,25 +337,25 @@ def main(args: Args):
         )
 
     # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar
-    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = harness.resume(
+    prompt_gen, eval_ema, logger, start_epoch, step, images_seen = shell.resume(
         args, run_dir, ckpt, dist, params, named, optimizer, snapshots
     )
 
     def save(epoch):  # the checkpoint of an exact --resume, then the exported model that users load (rank 0 writes)
-        harness.save(
+        shell.save(
             run_dir, args, pipe, named, optimizer, snapshots, eval_ema, prompt_gen, logger, epoch, step, images_seen, __doc__
         )
 
-    timer, stop, finite_grads = logs.Timer(), run.GracefulStop(), run.FiniteGradients()
+    timer, stop, finite_grads = shell.Timer(), shell.GracefulStop(), shell.FiniteGradients()
     stopped_at = None
-    pbar = harness.progress(args, dist, start_epoch)
+    pbar = shell.progress(args, dist, start_epoch)
     for epoch in pbar:
         if stop.requested:
             save(epoch)
             stopped_at = epoch
             break
         if epoch % args.eval_every == 0:
-            logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
+            shell.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen)
         if epoch % args.save_every == 0 and epoch > start_epoch:
             save(epoch)
 
@@ -401,7 +397,7 @@ def main(args: Args):
         with timer("reward"):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
-            scores = distributed.gather_scores(local_scores, total, args.grad_steps_per_epoch)
+            scores = shell.gather_scores(local_scores, total, args.grad_steps_per_epoch)
             adv_scores, adv_weights = scores, rewards.weights
             if args.win_rate_reward:  # Pref-GRPO: the group win rate of the weighted reward is the reward
                 adv_scores, adv_weights = (
@@ -502,8 +498,8 @@ def main(args: Args):
                         # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
                         k += 1
                         if k % per_step == 0:
-                            distributed.all_reduce_grads(params)
-                            grad_norm = distributed.clip_grad_norm(params, args.max_grad_norm)
+                            shell.all_reduce_grads(params)
+                            grad_norm = shell.clip_grad_norm(params, args.max_grad_norm)
                             if finite_grads(grad_norm, lambda: save(epoch)):
                                 optimizer.step()
                                 step += 1
@@ -523,10 +519,10 @@ def main(args: Args):
             "charts/images_per_sec": args.num_prompts * args.group_size / sum(times.values()),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             **{f"charts/{k}": v for k, v in diagnostics.items()},
-            **{f"losses/{k}": logs.nanmean(v) for k, v in stats.items()},
+            **{f"losses/{k}": shell.nanmean(v) for k, v in stats.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
-        metrics = {k: distributed.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
+        metrics = {k: shell.all_reduce_mean(torch.tensor(float(v), device=device)).item() for k, v in metrics.items()}
         logger.scalars(metrics, images_seen)
         if dist.is_main and epoch % args.eval_every == 0:
             logger.images(
@@ -539,10 +535,10 @@ def main(args: Args):
 
     # TRY NOT TO MODIFY: final eval, checkpoint, close
     if stopped_at is None:
-        logs.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
+        shell.evaluate_and_log(args, pipe, encoder, test_prompts, rewards, eval_ema, logger, images_seen, "final eval")
         save(args.num_epochs)
-    harness.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
+    shell.close(args, dist, run_dir, stopped_at, logger, stop)  # exit 143 after a SIGTERM, for a scheduler
 
 
 if __name__ == "__main__":
-    run.run_main(main, run.cli(Args))
+    shell.run_main(main, shell.cli(Args))

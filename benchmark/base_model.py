@@ -21,8 +21,8 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
+from harness import evaluation  # noqa: E402
 from rewards import shapes  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def score_model(pipe, rows, guidance_scale, num_steps, seeds, scorer=shapes_eval
     per_cat = defaultdict(lambda: defaultdict(list))
     images = []
     for seed in seeds:
-        imgs, _ = logs.evaluate(
+        imgs, _ = evaluation.evaluate(
             pipe,
             pipe.transformer,
             encoder,

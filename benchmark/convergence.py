@@ -47,10 +47,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
-import prompt_files  # noqa: E402
 import rewards  # noqa: E402
+from harness import evaluation, prompt_files  # noqa: E402
 from rewards import shapes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "convergence"
@@ -258,7 +257,7 @@ def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, m
     """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model."""
     out = defaultdict(list)
     for n in range(noises):
-        _, s = logs.evaluate(
+        _, s = evaluation.evaluate(
             pipe,
             pipe.transformer,
             encoder,

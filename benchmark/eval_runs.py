@@ -22,9 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402
-import prompt_files  # noqa: E402
+from harness import evaluation, prompt_files  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 try:  # the model-family registry, where this checkout has one
@@ -46,7 +45,7 @@ def score(model: str, prompts: list, seeds: list, export=None) -> dict:
     encoder, rewards = common.PromptEncoder(pipe), load_rewards("shapes_clean", "cpu")
     out = defaultdict(list)
     for seed in seeds:
-        _, scores = logs.evaluate(
+        _, scores = evaluation.evaluate(
             pipe,
             pipe.transformer,
             encoder,

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import logs  # noqa: E402
 import models  # noqa: E402
 from common import UserError  # noqa: E402
+from harness import evaluation  # noqa: E402
 from rewards import geneval  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def read_metadata(path: str) -> list:
 
 
 def score(args, rows: list) -> list:
-    """One result per image: prompt k's images are rows k, k + P, k + 2P, ... of `logs.evaluate`'s repeats."""
+    """One result per image: prompt k's images are rows k, k + P, k + 2P, ... of `evaluation.evaluate`'s repeats."""
     device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pipe = models.load_pipeline(args.model, device, models.DTYPES[args.dtype], args.resolution)
     if args.lora:
@@ -91,7 +91,7 @@ def score(args, rows: list) -> list:
             )
         return {}
 
-    logs.evaluate(
+    evaluation.evaluate(
         pipe,
         pipe.transformer,
         common.PromptEncoder(pipe),

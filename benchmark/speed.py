@@ -134,7 +134,7 @@ def components(repeats: int) -> str:
     sys.path.insert(0, str(REPO))
     import common
     import models  # noqa: F401  (registers the model families)
-    import prompt_files
+    from harness import prompt_files
 
     torch.set_num_threads(1)
     pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))

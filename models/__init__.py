@@ -409,7 +409,7 @@ def fully_shard_transformer(transformer, device: torch.device, cpu_offload: bool
     step live in CPU memory, each unit is copied to the GPU for its compute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from distributed import fsdp_mesh
+    from harness.distributed import fsdp_mesh
 
     blocks = transformer_blocks(transformer)
     if not blocks:
@@ -446,7 +446,7 @@ def report_shard_bytes(transformer) -> list:
     the sum of its local shards, against the whole transformer's (what every rank holds without --fsdp)."""
     import torch.distributed as dist
 
-    from distributed import all_gather_cat
+    from harness.distributed import all_gather_cat
 
     local, whole = [0, 0], [0, 0]
     for p in transformer.parameters():

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import common
-import prompt_files
+from harness import prompt_files
 from models import flux
 
 NO_NEGATIVE = (

@@ -25,7 +25,7 @@ import math
 import torch
 
 import common
-import prompt_files
+from harness import prompt_files
 from models import qwenimage
 
 REFERENCE_AREA = 1024 * 1024  # the pixels QwenImageEditPipeline.__call__ resizes an input image to

@@ -65,7 +65,7 @@ def instruction_of(prompt: str) -> str:
 @functools.lru_cache(maxsize=4096)
 def _detected_scene(key: str, path: str) -> tuple:
     """The objects of a source image, detected once per prompt key (the key holds the file's digest)."""
-    import prompt_files
+    from harness import prompt_files
 
     pixels = torch.from_numpy(np.array(prompt_files.load_image(path))).permute(2, 0, 1)[None].float() / 255
     found = shapes.components(pixels)[0]

@@ -18,7 +18,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import UserError  # noqa: E402
-from distributed import check_device  # noqa: E402
+from harness.distributed import check_device  # noqa: E402
 from rewards import REWARDS  # noqa: E402
 from rewards.remote import VERSION, decode_png_base64, one_line  # noqa: E402
 

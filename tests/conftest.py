@@ -31,7 +31,14 @@ def importable(*modules: str) -> bool:
 # The files that take longest on one core (`pytest --durations=0`, 2 AMD EPYC cores), first: pytest.ini hands out whole
 # files to the two workers in collection order, and a long file handed out last leaves one core idle at the end
 # (test_edit_learning.py: 17 min of a 49-min run). Longest first, the others fill in around them.
-LONGEST_FIRST = ("test_edit_learning.py", "test_fsdp.py", "test_algos.py", "test_reward_server.py", "test_qwenimage_edit.py")
+LONGEST_FIRST = (
+    "test_edit_learning.py",
+    "test_edit_learning_more.py",
+    "test_fsdp.py",
+    "test_algos.py",
+    "test_reward_server.py",
+    "test_qwenimage_edit.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -316,7 +323,7 @@ def run_in_process(module, argv) -> int:
     a script itself, since pytest's process sets its own thread count."""
     import tyro
 
-    import run
+    from harness import run
 
     argv = [str(a) for a in argv]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

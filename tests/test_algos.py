@@ -12,7 +12,7 @@ import torch
 from conftest import HANG_S, kernel_environ, kill_group, run_in_process, run_script, start_script
 
 import common
-from checkpoints import load_checkpoint
+from harness.checkpoints import load_checkpoint
 
 # A LoRA, the path of every real model (tests/test_full_finetune.py trains every weight, the tiny models' default).
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1 --no-full-finetune".split()

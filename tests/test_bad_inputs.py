@@ -20,14 +20,10 @@ import tyro
 from conftest import needs_ocr, run_in_process, run_script
 from PIL import Image
 
-import checkpoints
 import common
-import export
 import models
-import pair_files
-import prompt_files
-import run
 from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, grpo_variants, nft
+from harness import checkpoints, export, pair_files, prompt_files, run
 
 ALGOS = {
     "awm": awm,
@@ -651,9 +647,9 @@ INTERRUPT = """
 import os, signal, sys, time
 sys.path[:0] = [{repo!r}, {repo!r} + "/algos"]
 import common, nft, tyro
-import run
+from harness import run
 import models
-import pair_files
+from harness import pair_files
 def loading(*args, **kwargs):  # Ctrl-C arrives while the model loads
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)

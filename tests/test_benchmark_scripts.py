@@ -11,7 +11,7 @@ import pytest
 import tyro
 from conftest import needs_ocr, run_script
 
-import distributed
+from harness import distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "benchmark").glob("sd35_*.sh"))
@@ -387,9 +387,9 @@ def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_pro
     import json
 
     import common
-    import prompt_files
     from assets import world
     from benchmark.convergence import UNSEEN, prompt_sets
+    from harness import prompt_files
 
     sets = prompt_sets(unseen_file=UNSEEN)
     assert set(prompt_sets()) == {"test", "train"}  # without the file, the sets of before

@@ -10,13 +10,9 @@ import pytest
 import torch
 from conftest import kernel_environ, ode_sample, run_script
 
-import checkpoints
 import common
-import distributed
-import logs
 import models
-import prompt_files
-import run
+from harness import checkpoints, distributed, evaluation, logs, prompt_files, run
 
 
 @pytest.fixture(scope="module")
@@ -456,9 +452,9 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, content):
 FILL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoints
+from harness import checkpoints
 import common
-import run
+from harness import run
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing the process
 checkpoints.save_checkpoint({path!r}, {{"epoch": 1, "w": torch.ones(10)}})
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a file-size limit: what a full disk looks like to a write
@@ -483,7 +479,7 @@ def test_checkpoint_write_failure_is_one_line_and_leaves_no_temp_files(tmp_path)
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoints
+from harness import checkpoints
 # 16 MB: a write takes long enough to be killed in the middle
 big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
 for epoch in range(1, 10**6):
@@ -834,7 +830,7 @@ def test_dpm_solver_eval_matches_the_stock_pipeline_with_diffusers_dpm_scheduler
     steps, shift = 6, pipe.scheduler.config["shift"]
     noise = torch.randn(len(PROMPTS), 4, 16, 16, generator=torch.Generator().manual_seed(0))
     enc = common.PromptEncoder(pipe)
-    latents = logs.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
+    latents = evaluation.dpm_solver_sample(pipe.transformer, pipe.scheduler, enc.cond(PROMPTS), noise, num_steps=steps)
     dpm = DPMSolverMultistepScheduler(
         flow_shift=shift, use_flow_sigmas=True, prediction_type="flow_prediction", solver_order=2, final_sigmas_type="zero"
     )
@@ -875,7 +871,7 @@ def test_graceful_stop_gives_back_the_signal_handlers_it_replaced():
     in exit code 143."""
     import signal
 
-    import run
+    from harness import run
 
     def mine(signum, frame):
         pass

@@ -81,7 +81,8 @@ def test_every_file_the_docs_name_exists(doc):
             continue
         if "/" not in ref:  # a bare file name: somewhere in the repository's own folders
             if not any(
-                next((REPO / top).rglob(ref), None) for top in ("algos", "assets", "benchmark", "models", "rewards", "tests")
+                next((REPO / top).rglob(ref), None)
+                for top in ("algos", "assets", "benchmark", "harness", "models", "rewards", "tests")
             ):
                 if not (REPO / ref).exists():
                     missing.append(ref)
@@ -128,3 +129,32 @@ def test_readme_python_blocks_run_on_the_quick_start_output(tmp_path, monkeypatc
         before = set(tmp_path.iterdir())
         exec(block.replace("runs/<run_name>", str(run_dir)).replace('"assets/', f'"{REPO}/assets/'), {})
         assert set(tmp_path.iterdir()) - before, "a README block ran and wrote nothing"
+
+
+CODE_PATH = re.compile(r"(?<![\w./-])((?:algos|benchmark|rewards|models|assets|tests|docs|harness)/[\w.-]+(?:/[\w.-]+)*)")
+# named in comments on purpose, though not files: a mistyped path the model loader's message is about
+NOT_FILES = {"assets/tiny-shape"}
+
+
+def test_every_repository_path_a_comment_names_exists():
+    """Every path into the repository named in a comment or a docstring of its Python files exists (a pattern such as
+    `benchmark/sd35_<algo>.sh`, a prefix ending in `_` and a runs/ folder a command writes are not files)."""
+    import io
+    import tokenize
+
+    missing = {}
+    for path in sorted(REPO.rglob("*.py")):
+        if {".venv", ".ci-venv", "results"} & set(path.relative_to(REPO).parts):
+            continue
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type != tokenize.COMMENT and not (
+                tok.type == tokenize.STRING and tok.string.lstrip("rbuf").startswith('"""')
+            ):
+                continue
+            for ref in CODE_PATH.findall(tok.string):
+                ref = ref.rstrip(".,")
+                if any(c in ref for c in "<*{") or ref.endswith("_") or "/runs" in ref or ref in NOT_FILES:
+                    continue
+                if not (REPO / ref).exists():
+                    missing.setdefault(path.relative_to(REPO).as_posix(), []).append(ref)
+    assert not missing, f"paths named in comments that do not exist: {missing}"

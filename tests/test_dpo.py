@@ -12,12 +12,11 @@ import torch
 from conftest import run_in_process, run_script, scalars
 from PIL import Image
 
-import checkpoints
 import common
 import models
-import prompt_files
 from algos import dpo
 from assets import world
+from harness import checkpoints, prompt_files
 
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --grad-steps-per-epoch 1 --num-train-timesteps 1".split()
 

@@ -341,7 +341,7 @@ def test_a_prompt_with_its_image_is_scored_against_that_image(tmp_path):
 
 def test_the_prompt_files_load_as_image_prompts_the_reward_scores():
     """Through prompt_files.load_prompts (the scripts' path): Prompt records whose image the reward reads."""
-    import prompt_files
+    from harness import prompt_files
 
     for name in ("train", "test"):
         prompts = prompt_files.load_prompts(str(REPO / "assets" / "edit" / f"{name}.jsonl"))

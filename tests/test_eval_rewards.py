@@ -8,9 +8,9 @@ from conftest import run_in_process
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import common
-import logs
 import models
 from algos import grpo
+from harness import evaluation
 from rewards.jpeg import jpeg_compressibility
 
 TEST_PROMPTS = ["a red circle", "two squares", "a blue triangle"]
@@ -26,7 +26,7 @@ def eval_images(num_steps: int) -> torch.Tensor:
     """The eval images of the run's first eval (before any update: LoRA's B = 0, so the base model's), sampled here."""
     pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"), torch.float32, None)
     encoder = common.PromptEncoder(pipe)
-    images, _ = logs.evaluate(
+    images, _ = evaluation.evaluate(
         pipe, pipe.transformer, encoder, TEST_PROMPTS, lambda i, p: {}, num_steps=num_steps, guidance_scale=1.0, seed=0
     )
     return images

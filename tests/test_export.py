@@ -18,10 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
-import distributed
-import export
 import models
-import run
+from harness import distributed, export, run
 from models import flux
 
 REPO = Path(__file__).resolve().parents[1]

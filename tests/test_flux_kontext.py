@@ -18,11 +18,9 @@ from conftest import run_script, scalars
 from PIL import Image
 
 import common
-import export
 import models
-import prompt_files
-import run
-from checkpoints import load_checkpoint
+from harness import export, prompt_files, run
+from harness.checkpoints import load_checkpoint
 from models import flux, flux_kontext
 
 CPU = torch.device("cpu")

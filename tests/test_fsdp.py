@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from test_algos import assert_same_state, script_argv, write_prompts
 
 import common
-from checkpoints import load_checkpoint
-from export import LORA_WEIGHTS
+from harness.checkpoints import load_checkpoint
+from harness.export import LORA_WEIGHTS
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -182,7 +182,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, sys.argv[1])
-import distributed
+from harness import distributed
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -246,7 +246,7 @@ def test_clip_grad_norm_in_one_process_is_torchs_clip():
     """Plain tensors (one process, or ranks after `all_reduce_grads`): 0-dim and 1-D gradients, a parameter without
     a gradient, the norm of a NaN or inf gradient (which makes the scripts skip the step), and torch's coefficient
     max_norm / (norm + 1e-6): with the same float32 norm as torch, the clipped gradients are torch's bit for bit."""
-    import distributed
+    from harness import distributed
 
     def params(*grads):
         out = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads] + [torch.nn.Parameter(torch.zeros(2))]

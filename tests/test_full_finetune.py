@@ -12,12 +12,10 @@ from conftest import kernel_environ, ode_sample, run_in_process, run_script
 from safetensors.torch import load_file
 from test_algos import FLAGS, assert_same_state, script_argv, write_prompts
 
-import checkpoints
 import common
-import export
 import models
-import run
 from algos import crd
+from harness import checkpoints, export, run
 
 BASE_WEIGHTS = Path(common.TINY_MODEL) / "transformer" / "diffusion_pytorch_model.safetensors"
 # weight decay 0: a weight that moved was moved by a gradient, not by AdamW's decay alone

@@ -15,9 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import export
 import models
-import run
+from harness import export, run
 from models import flux
 
 FRAMES = 5  # videos of 5 frames (3 latent frames with Wan's and LTX's tiny VAEs, temporal ratio 2; 2 with HunyuanVideo's, 4)
@@ -642,7 +641,7 @@ def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_e
     sample; the card's snippet runs. Then 1 epoch + --resume for a second equals 2 epochs straight, bit for bit."""
     from test_algos import assert_same_state
 
-    from checkpoints import load_checkpoint
+    from harness.checkpoints import load_checkpoint
 
     for name in ("one", "two"):
         (tmp_path / name).mkdir()

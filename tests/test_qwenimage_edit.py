@@ -17,7 +17,7 @@ from test_flux_kontext import assert_finite_logs, write_prompt_file, write_scene
 
 import common
 import models
-import prompt_files
+from harness import prompt_files
 from models import flux, qwenimage, qwenimage_edit
 
 CPU = torch.device("cpu")
@@ -305,7 +305,7 @@ def test_a_resumed_run_on_image_prompts_ends_bit_identical(edit_dir, edit_prompt
     from conftest import run_script
     from test_algos import assert_same_state
 
-    from checkpoints import load_checkpoint
+    from harness.checkpoints import load_checkpoint
 
     a_dir, _ = train("crd", edit_dir, edit_prompts, tmp_path / "a", "--num-epochs", "2")
     b_dir, _ = train("crd", edit_dir, edit_prompts, tmp_path / "b", "--num-epochs", "1")

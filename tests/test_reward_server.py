@@ -27,8 +27,8 @@ from conftest import REPO, kill_group, run_script, start_script
 from test_algos import FLAGS, _wait_for_checkpoint, assert_same_state, script_argv, write_prompts
 from test_ocr import render as render_word
 
-import checkpoints
 from common import UserError
+from harness import checkpoints
 from rewards import REWARDS, load_rewards, parse_reward_spec, remote
 
 SERVED = "jpeg_compressibility,shapes_clean,ocr"

@@ -23,12 +23,10 @@ from conftest import run_in_process, run_script
 from test_algos import script_argv, write_prompts
 from test_bad_inputs import TINY, assert_one_line, call, snapshot
 
-import checkpoints
 import common
 import models
-import run
-import shards
 from algos import nft
+from harness import checkpoints, run, shards
 
 # test_bad_inputs' fixtures: one finished tiny nft run per module (`nft_run`), a fresh copy of it per test (`run_copy`)
 nft_run, run_copy = test_bad_inputs.nft_run, test_bad_inputs.run_copy

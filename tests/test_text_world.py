@@ -6,10 +6,9 @@ import torch
 from conftest import needs_ocr, run_script
 
 import common
-import logs
 import models
-import prompt_files
 from assets import text_world
+from harness import evaluation, prompt_files
 from rewards import ocr
 
 TINY_TEXT = str(common.REPO / "assets" / "tiny-text")
@@ -60,7 +59,7 @@ def base_samples():
     CFG 1, fixed noise, one image per prompt)."""
     pipe = models.load_pipeline(TINY_TEXT, torch.device("cpu"))
     prompts = prompt_files.load_prompts(str(TEXT_TEST))
-    images, _ = logs.evaluate(
+    images, _ = evaluation.evaluate(
         pipe,
         pipe.transformer,
         common.PromptEncoder(pipe),

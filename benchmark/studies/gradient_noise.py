@@ -241,7 +241,7 @@ def main():
     spec.loader.exec_module(module)  # puts the repo on sys.path, as running the script does
     if shuffled:
         shuffle_rewards(module, algo)
-    import run
+    from harness import run
 
     tmp = tempfile.TemporaryDirectory(prefix="gradient_noise_")
     # no evaluation or checkpoint in between (the weights never move), the run folder thrown away, AdamW's decay off
@@ -253,7 +253,7 @@ def main():
     steps_per_epoch = args.grad_steps_per_epoch * getattr(args, "num_inner_epochs", 1)
     batch = args.num_prompts * args.group_size / args.grad_steps_per_epoch
     recorder = Recorder(steps_per_epoch)
-    import distributed
+    from harness import distributed
 
     distributed.clip_grad_norm = recorder
     try:

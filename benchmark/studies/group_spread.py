@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
-import prompt_files  # noqa: E402
 from algos.grpo import sde_window_steps  # noqa: E402
+from harness import prompt_files  # noqa: E402
 from rewards import load_rewards  # noqa: E402
 
 GROUP_SIZE, NUM_STEPS, ETA, SDE_STEPS = 8, 10, 0.7, 4  # algos/grpo.py's defaults

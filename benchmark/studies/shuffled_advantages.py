@@ -21,7 +21,7 @@ spec = importlib.util.spec_from_file_location("grpo_shuffled", REPO / "algos" / 
 grpo = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = grpo  # tyro reads Args' field docstrings from the module's source (--help, a flag's error)
 spec.loader.exec_module(grpo)  # puts the repo on sys.path, as running the script does
-import run  # noqa: E402
+from harness import run  # noqa: E402
 
 real_advantages = grpo.aggregate_advantages
 

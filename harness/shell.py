@@ -1,19 +1,24 @@
 """The shell every algorithm script runs its loop in, written once: start (the run folder, ranks, seeds), the batch's
 layout over the ranks, loading the prompts, rewards and model with what is trained and its optimizer, the progress
 bar, saving (checkpoint + export) and closing. What is trained, the snapshots an algorithm keeps and its loop stay in
-its file; these are the steps around them, in the order the scripts call them."""
+its file; these are the steps around them, in the order the scripts call them.
+
+The loop's own calls into the run's management are here too, under their names in the modules that define them, so
+that an algorithm file imports one module for its shell: the command line and its exit codes (run.run_main, run.cli),
+which flags were given (run.given_flags), Ctrl-C/SIGTERM and the non-finite-gradient guard (run.GracefulStop,
+run.FiniteGradients), the held-out evaluation (evaluation), the timers (logs), the ranks' sums and the gradient clip
+(distributed)."""
 
 import torch
 from tqdm import tqdm
 
-import checkpoints
 import common
-import distributed
-import export
-import logs
 import models
-import prompt_files
-import run
+from harness import checkpoints, distributed, export, logs, prompt_files, run
+from harness.distributed import all_reduce_grads, all_reduce_mean, clip_grad_norm, gather_scores  # noqa: F401
+from harness.evaluation import evaluate_and_log  # noqa: F401
+from harness.logs import Timer, nanmean  # noqa: F401
+from harness.run import FiniteGradients, GracefulStop, cli, given_flags, run_main  # noqa: F401
 from rewards import load_rewards
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from common import UserError
+from harness.shards import SHARDS_DIR, check_shards, from_main, load_shards, read_shards, shard_tensors
 from models import EvalEMA, is_fsdp
-from shards import SHARDS_DIR, check_shards, from_main, load_shards, read_shards, shard_tensors
 
 # A checkpoint is a folder <run>/checkpoints/epoch_<E>/ holding two files that load without unpickling code:
 #   weights.safetensors  every tensor, dict of tensors or list of tensors of the saved state (params, snapshots, EMAs)

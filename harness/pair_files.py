@@ -10,7 +10,7 @@ import torch
 
 import common
 import models
-import prompt_files
+from harness import prompt_files
 
 
 def load_pairs(path: str, height: Optional[int], width: Optional[int]) -> tuple:

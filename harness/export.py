@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from checkpoints import disk_full, write_error_reason
 from common import REPO, UserError
+from harness.checkpoints import disk_full, write_error_reason
 from models import EvalEMA, is_fsdp, swapped_weights
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name diffusers' load_lora_weights looks for

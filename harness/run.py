@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import tyro
 
-from checkpoints import check_checkpoint_fields, check_no_symlinks, find_checkpoint, load_checkpoint, script_name
 from common import FAMILIES, REPO, UserError, short
-from distributed import check_device, env_ranks
-from export import EXPORT_NAMES, LORA_ARGS
+from harness.checkpoints import check_checkpoint_fields, check_no_symlinks, find_checkpoint, load_checkpoint, script_name
+from harness.distributed import check_device, env_ranks
+from harness.export import EXPORT_NAMES, LORA_ARGS
+from harness.prompt_files import Prompt, load_prompts
 from models import check_model_folder, check_pipeline_folder, compile_unavailable, looks_local, pipeline_config
-from prompt_files import Prompt, load_prompts
 
 
 def run_main(main, args, argv: Optional[Sequence[str]] = None):
