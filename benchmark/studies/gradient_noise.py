@@ -44,8 +44,9 @@ ALGOS = ("grpo", "grpo_variants", "dgpo", "nft", "awm", "crd", "dpo", "elbo_grpo
 
 
 class Recorder:
-    """Stands in for distributed.clip_grad_norm: keeps each step's gradient (summed per epoch, in float64, plus
-    each epoch's per-coordinate sum of squares and each step's squared norm), then zeroes it so AdamW moves nothing."""
+    """Stands in for shell.clip_grad_norm (harness/distributed.py): keeps each step's gradient (summed per epoch, in
+    float64, plus each epoch's per-coordinate sum of squares and each step's squared norm), then zeroes it so AdamW
+    moves nothing."""
 
     def __init__(self, steps_per_epoch: int):
         self.steps_per_epoch = steps_per_epoch
@@ -253,9 +254,9 @@ def main():
     steps_per_epoch = args.grad_steps_per_epoch * getattr(args, "num_inner_epochs", 1)
     batch = args.num_prompts * args.group_size / args.grad_steps_per_epoch
     recorder = Recorder(steps_per_epoch)
-    from harness import distributed
+    from harness import distributed, shell
 
-    distributed.clip_grad_norm = recorder
+    distributed.clip_grad_norm = shell.clip_grad_norm = recorder  # the loop calls it as shell.clip_grad_norm
     try:
         run.run_main(module.main, args, argv)
     except SystemExit as e:
