@@ -5,7 +5,8 @@ TempFlow-GRPO (arXiv 2508.04324): --noise-weight C, each step's policy term weig
 Flow-DPPO (arXiv 2606.11025): --kl-mask TAU, a per-step KL trust-region mask in place of PPO's ratio clip (Eq. 14, 18).
 Pref-GRPO (arXiv 2508.20751): --win-rate-reward, an image's reward is its win rate inside its group.
 GRPO-Guard (arXiv 2510.22319): --grpo-guard, RatioNorm of the log-ratio (and --guard-reweight, 1 / |dt| per step).
-Every other flag is algos/grpo.py's, and with none of these switches the run is grpo.py's, number for number.
+Flow-GRPO's flags and math are grpo.py's, imported from it (`grpo.GRPOArgs`, `grpo.ppo_loss`, ...), so this file holds
+only what the five papers change; with none of these switches the run is grpo.py's, number for number (tested).
 
 python algos/grpo_variants.py --window-mode sliding --window-shift 25 1          # MixGRPO on tiny-shapes, CPU
 torchrun --nproc-per-node 8 algos/grpo_variants.py --model stabilityai/stable-diffusion-3.5-medium --kl-mask 1e-5  # Flow-DPPO
@@ -14,7 +15,7 @@ torchrun --nproc-per-node 8 algos/grpo_variants.py --model stabilityai/stable-di
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import torch
@@ -22,69 +23,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import models  # noqa: E402  (also registers the model families with common)
+from algos import grpo  # noqa: E402  (Flow-GRPO: its flags, advantages, PPO loss and KL)
 from harness import flags, shell  # noqa: E402
 
-# --learning-rate's default, by what is trained: every weight (benchmark/results/convergence) or a LoRA
-# (benchmark/results/shapes_clean/tuning.md)
-LEARNING_RATES = {"full": 1e-4, "lora": 5e-4}
+LEARNING_RATES = grpo.LEARNING_RATES  # --learning-rate's default: grpo.py's
 
 
 @dataclass
-class GRPOVariantsArgs:
-    """Flow-GRPO's and its variants' own flags, first in --help (the flags every script shares: flags.SharedArgs)"""
+class VariantArgs:
+    """The five papers' switches, first in --help; then Flow-GRPO's flags (grpo.GRPOArgs) and the shared ones"""
 
-    adv_clip: float = 5.0
-    """advantages are clipped to [-c, c]"""
-    advantage_std: Literal["group", "global"] = "group"
-    """std of the z-score: per group or global"""
-    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: z-score their sum, or each first"""
-    sde_window: tuple[int, int] = (1, -1)
-    """python slice of the step indices that may be stochastic"""
-    num_sde_steps: int = 4
-    """stochastic (and trained) steps per trajectory"""
-    window_mode: Literal["subset", "contiguous", "sliding"] = "subset"
-    """SDE steps of the window: random subset, random run, sliding run (MixGRPO)"""
     window_shift: tuple[int, int] = (25, 1)
-    """sliding: tau s, move the run s steps later every tau epochs (MixGRPO: 25 1)"""
-    zero_adv_filter: bool = False
-    """drop zero-advantage samples from the loss mean"""
-    log_prob_form: Literal["gaussian", "mse"] = "gaussian"
-    """per-step log-prob: exact Gaussian, or "mse" -||x' - mu||^2"""
+    """MixGRPO, with --window-mode sliding: tau s, move the run s steps later every tau epochs (MixGRPO: 25 1)"""
+    noise_weight: float = 0.0
+    """TempFlow-GRPO: a step's policy loss x c x its std (0 = off; official 2.25)"""
+    kl_mask: float = 0.0
+    """Flow-DPPO: KL threshold of the mask that replaces the clip (0 = PPO clip)"""
+    win_rate_reward: bool = False
+    """Pref-GRPO: an image's reward is its win rate against the rest of its group"""
     grpo_guard: bool = False
     """GRPO-Guard RatioNorm of the log-ratio (arXiv 2510.22319)"""
     guard_reweight: bool = True
     """with grpo_guard: weight each step's loss by 1 / |dt|"""
-    noise_weight: float = 0.0
-    """TempFlow-GRPO: a step's policy loss x c x its std (0 = off; official 2.25)"""
-    shared_group_noise: bool = True
-    """a group's K images share their initial noise"""
-    num_inner_epochs: int = 1
-    """passes over each rollout buffer"""
-    clip_low: float = 1e-3
-    """PPO clip below: ratio >= 1 - clip_low"""
-    clip_high: float = 1e-3
-    """PPO clip above: ratio <= 1 + clip_high"""
-    kl_mask: float = 0.0
-    """Flow-DPPO: KL threshold of the mask that replaces the clip (0 = PPO clip)"""
-    leave_one_out: bool = False
-    """RLOO baseline: the mean of the other K-1 rewards"""
-    win_rate_reward: bool = False
-    """Pref-GRPO: an image's reward is its win rate against the rest of its group"""
-    kl_beta: float = 0.0
-    """KL weight to the base model"""
-    kl_type: Literal["x", "v"] = "x"
-    """"x": KL of the Gaussian steps; "v": ||v - v_ref||^2"""
-    kl_form: Literal["exact", "official"] = "exact"
-    """KL of the steps: exact, or flow_grpo's ("official", x |dt|)"""
 
 
 @dataclass
-class Args(flags.SharedArgs, GRPOVariantsArgs):
-    # Flow-GRPO's and its variants' flags come first in --help, then the flags every script shares; here, where this
-    # script's default or help differs from theirs
+class Args(flags.SharedArgs, grpo.GRPOArgs, VariantArgs):
+    # the variants' flags come first in --help, then Flow-GRPO's, then the flags every script shares; here, where this
+    # script's default or help differs from theirs (a dataclass keeps a field where its first declaration put it)
     exp_name: str = Path(__file__).stem
     """the name of this experiment"""
+    window_mode: Literal["subset", "contiguous", "sliding"] = "subset"
+    """SDE steps of the window: random subset, random run, sliding run (MixGRPO)"""
     num_epochs: int = 40
     """epochs; one epoch = one rollout of M x K images + its updates"""
     dynamics: Literal["ODE", "Flow-SDE", "Dance-SDE", "CPS"] = "Flow-SDE"
@@ -97,70 +67,7 @@ class Args(flags.SharedArgs, GRPOVariantsArgs):
     """optimizer steps per inner epoch"""
 
 
-# ALGO LOGIC: the group-relative advantage, the same function in every file that forms one (tests/test_skeleton.py)
-# added to the std of the z-score, as flow_grpo does (flow_grpo/stat_tracking.py: np.std(...) + 1e-4): a group whose
-# rewards differ only by float32 rounding (~1e-7) would otherwise be scaled up to advantages of +-1 (Flow-Factory's
-# floor max(std, 1e-6) still lets a reward of scale 20 do that: its float32 spacing is 2e-6)
-STD_EPS = 1e-4
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
-) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
-
-    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
-    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
-    plus STD_EPS. A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
-    flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
-    """
-    r = rewards.double().view(-1, group_size)
-    if leave_one_out:
-        if group_size < 2:
-            raise common.UserError("leave-one-out advantages need a group size >= 2")
-        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(1, keepdim=True)
-    centred = r - baseline
-    if std == "group":
-        scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
-    elif std == "global":
-        scale = rewards.double().std(unbiased=False).expand_as(r[:, :1]) + STD_EPS
-    else:
-        raise common.UserError(f"unknown advantage std mode {std!r}; choose group or global")
-    flat = r.std(1, unbiased=False, keepdim=True) < 1e-8  # zero-variance group: no signal
-    adv = torch.where(flat, torch.zeros_like(centred), centred / scale)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv.view(-1).float()
-
-
-def aggregate_advantages(
-    scores: dict,
-    weights: dict,
-    group_size: int,
-    aggregation: str = "sum",
-    std: str = "group",
-    leave_one_out: bool = False,
-    clip: Optional[float] = None,
-) -> torch.Tensor:
-    """Several rewards -> one advantage per sample.
-
-    "sum": advantages of the weighted sum of rewards (classic GRPO). "gdpo": each reward normalised within its
-    groups first, then the weighted sum of those is normalised over the whole batch, so a reward with a large
-    scale cannot drown the others.
-    """
-    if aggregation == "sum":
-        total = sum(w * scores[k] for k, w in weights.items())
-        return group_advantages(total, group_size, std, leave_one_out, clip)
-    if aggregation == "gdpo":
-        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
-        combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
-        return combined.clamp(-clip, clip) if clip is not None else combined
-    raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
-
-
-# ALGO LOGIC: Flow-GRPO's math as small pure functions
+# ALGO LOGIC: the five papers' changes to Flow-GRPO as small pure functions
 def group_win_rates(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Pref-GRPO's reward (arXiv 2508.20751): each image's win rate inside its group of K, [B] for rewards in contiguous
     groups. Every pair of the group is compared once, a win counting 1 and a tie 1/2 to each (as the official
@@ -174,23 +81,6 @@ def group_win_rates(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (wins / (group_size - 1)).view(-1).float()
 
 
-def ppo_loss(log_prob, old_log_prob, adv, clip_low: float, clip_high: float, weight=None):
-    """PPO's clipped surrogate on the likelihood ratio r = exp(log p - log p_old):
-    mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps_low, 1 + eps_high)).
-
-    `weight` [B] multiplies each sample's term inside the mean. Returns (loss, ratio, approx_kl, clipfrac);
-    approx_kl = E[(log r)^2] / 2, clipfrac = share of clipped ratios."""
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    terms = torch.maximum(unclipped, clipped)
-    loss = (terms if weight is None else weight * terms).mean()
-    approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
-    clipfrac = ((ratio.detach() < 1 - clip_low) | (ratio.detach() > 1 + clip_high)).float().mean()
-    return loss, ratio.detach(), approx_kl, clipfrac
-
-
 def kl_mask_loss(log_prob, old_log_prob, mean, old_mean, std, adv, threshold: float, weight=None):
     """Flow-DPPO's surrogate (arXiv 2606.11025): PPO's ratio without the clip, each term dropped when its step left the
     trust region in the direction it is pushed. Returns (loss, ratio, approx_kl, maskfrac), maskfrac = share dropped.
@@ -201,35 +91,13 @@ def kl_mask_loss(log_prob, old_log_prob, mean, old_mean, std, adv, threshold: fl
     a step back towards the rollout policy, or any step inside the region, keeps its gradient."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    kl = gaussian_kl(mean.detach(), old_mean, std)  # Eq. 14, per sample
+    kl = grpo.gaussian_kl(mean.detach(), old_mean, std)  # Eq. 14, per sample
     away = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
     drop = ((kl >= threshold) & away).detach()  # Eq. 18
     terms = torch.where(drop, torch.zeros_like(ratio), -adv * ratio)
     loss = (terms if weight is None else weight * terms).mean()
     approx_kl = 0.5 * (log_ratio.detach() ** 2).mean()
     return loss, ratio.detach(), approx_kl, drop.float().mean()
-
-
-def velocity_kl(v, v_ref) -> torch.Tensor:
-    """||v - v_ref||^2 per sample (mean over latent elements), the velocity-space KL surrogate: two Gaussian steps of
-    the same std whose means come from v and v_ref differ in mean by a multiple of v - v_ref, so their KL is a multiple
-    of this."""
-    return (v - v_ref).pow(2).flatten(1).mean(1)
-
-
-def gaussian_kl(mean, mean_ref, std) -> torch.Tensor:
-    """KL(N(mean, std^2) || N(mean_ref, std^2)) per element, averaged per sample (same std: only the means differ)."""
-    return ((mean - mean_ref) ** 2 / (2 * std**2)).flatten(1).mean(1)
-
-
-def step_kl(mean, mean_ref, std, dt: float, form: str = "exact", dynamics: str = "Flow-SDE") -> torch.Tensor:
-    """The per-sample KL penalty of one stochastic step whose std is `std`. "exact": `gaussian_kl`. "official":
-    flow_grpo's ||mu - mu_ref||^2 / (2 std_dev_t^2) (scripts/train_sd3.py), where std_dev_t is what its
-    sde_step_with_logprob returns: for an SDE the diffusion coefficient sigma_t = std / sqrt(|dt|), so official =
-    exact x |dt| (its beta 0.04, 0.01 is tuned on this; at the same beta the exact KL is 1/|dt| times stronger); for
-    CPS the step's own std sigma_next sin(eta pi / 2), so official = exact (no |dt| there)."""
-    kl = gaussian_kl(mean, mean_ref, std)
-    return kl * abs(dt) if form == "official" and dynamics != "CPS" else kl
 
 
 def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
@@ -256,13 +124,6 @@ def noise_weights(std: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     return scale * (std.expand(batch) if std.numel() == 1 else std)
 
 
-def zero_adv_weights(adv: torch.Tensor, grad_steps: int) -> torch.Tensor:
-    """[total] weights that drop samples with advantage exactly 0 from the mean of their optimizer step (official
-    flow_grpo filters them out of the batch): kept / (kept share of the step), 0 for a step with nothing kept."""
-    kept = (adv != 0).float().view(grad_steps, -1)
-    return (kept * kept.shape[1] / kept.sum(1, keepdim=True).clamp_min(1)).view(-1)
-
-
 def sde_window_steps(
     window: list, count: int, mode: str, generator: torch.Generator, epoch: int = 0, shift: tuple = (25, 1)
 ) -> list:
@@ -277,10 +138,7 @@ def sde_window_steps(
         starts = (len(window) - count) // stride + 1  # l = 0, s, 2s, ... while the run of `count` fits
         start = (epoch // interval) % starts * stride
         return window[start : start + count]
-    if mode == "contiguous":
-        start = int(torch.randint(len(window) - count + 1, (1,), generator=generator))
-        return window[start : start + count]
-    return sorted(window[i] for i in torch.randperm(len(window), generator=generator)[:count])
+    return grpo.sde_window_steps(window, count, mode, generator)
 
 
 def main(args: Args):
@@ -404,7 +262,7 @@ def main(args: Args):
                     {"win_rate": group_win_rates(rewards.total(scores), args.group_size)},
                     {"win_rate": 1},
                 )
-            adv = aggregate_advantages(
+            adv = grpo.aggregate_advantages(
                 adv_scores,
                 adv_weights,
                 args.group_size,
@@ -413,7 +271,9 @@ def main(args: Args):
                 leave_one_out=args.leave_one_out,
                 clip=args.adv_clip,
             )
-            weight = zero_adv_weights(adv, args.grad_steps_per_epoch)[local_idx].to(device) if args.zero_adv_filter else None
+            weight = (
+                grpo.zero_adv_weights(adv, args.grad_steps_per_epoch)[local_idx].to(device) if args.zero_adv_filter else None
+            )
             adv = adv[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size
 
@@ -455,7 +315,7 @@ def main(args: Args):
                                 log_prob, old_log_prob, mean, rollout.means[sl, i], std, adv[sl], args.kl_mask, step_weight
                             )
                         else:
-                            policy_loss, ratio, approx_kl, clipfrac = ppo_loss(
+                            policy_loss, ratio, approx_kl, clipfrac = grpo.ppo_loss(
                                 log_prob, old_log_prob, adv[sl], args.clip_low, args.clip_high, step_weight
                             )
                         if args.grpo_guard and args.guard_reweight:  # equal gradient scale across noise levels
@@ -479,11 +339,11 @@ def main(args: Args):
                                     x_next=x_next,
                                     sigma_cap=float(sigmas[1]),
                                 )
-                                kl = step_kl(
+                                kl = grpo.step_kl(
                                     mean, mean_ref, std, float(sigmas[i] - sigmas[i + 1]), args.kl_form, args.dynamics
                                 )
                             else:
-                                kl = velocity_kl(v, v_ref)
+                                kl = grpo.velocity_kl(v, v_ref)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
                         loss = policy_loss + args.kl_beta * kl
                         (loss / per_step).backward()

@@ -90,16 +90,24 @@ def test_every_flag_is_documented(path):
 @pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
 def test_args_opens_with_the_algorithm_and_declares_the_shared_flags_once(path):
     """`Args` = the algorithm's own dataclass, then flags.SharedArgs: the algorithm's flags open --help, at most 30 are
-    declared in the file, and a shared flag is declared again only where this script's default or help differs."""
+    declared in the file, and a shared flag is declared again only where this script's default or help differs. A
+    variants file (grpo_variants.py) may take its base algorithm's flags from the base's file (`grpo.GRPOArgs`), between
+    the two, and redeclare one of them too."""
     shared = dataclass_fields(path.parents[1] / "harness" / "flags.py")["SharedArgs"]
     classes = dataclass_fields(path)
     (own,) = [names for name, names in classes.items() if name != "Args"]
-    assert not set(own) & set(shared), f"{path.name} declares shared flags as its own: {sorted(set(own) & set(shared))}"
-    assert set(classes.get("Args", ())) <= set(shared), "Args declares a flag that is neither the algorithm's nor shared"
-    assert len(own) + len(classes.get("Args", ())) <= 30
+    own_class = next(n for n in classes if n != "Args")
     tree = ast.parse(path.read_text())
     (args,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"]
-    assert [ast.unparse(b) for b in args.bases] == ["flags.SharedArgs", next(n for n in classes if n != "Args")]
+    bases = [ast.unparse(b) for b in args.bases]
+    assert bases[0] == "flags.SharedArgs" and bases[-1] == own_class, bases
+    inherited = set()
+    for base in bases[1:-1]:  # a base algorithm's flags: `<file>.<Class>` of a sibling algorithm file
+        module, cls = base.split(".")
+        inherited |= set(dataclass_fields(path.parent / f"{module}.py")[cls])
+    assert not set(own) & (set(shared) | inherited), f"{path.name} declares shared flags as its own"
+    assert set(classes.get("Args", ())) <= set(shared) | inherited, "Args declares a flag that is neither own nor shared"
+    assert len(own) + len(classes.get("Args", ())) <= 30
 
 
 def top_level_sources(path: Path) -> dict:
