@@ -1,5 +1,10 @@
 """Advantage Weighted Matching (AWM), Xue et al. 2025, arXiv 2509.25050 -- docs/awm.md
 
+DDPO's policy gradient is flow matching with noisy targets; AWM keeps pretraining's flow-matching loss on each clean
+rollout sample as a pseudo log-likelihood and weights it by the sample's advantage (in a PPO-style ratio, optionally),
+plus a KL to the base. Equations are not numbered here: the paper's text was not available, only its abstract and the
+official code (scxue/advantage_weighted_matching), which the math follows.
+
 python algos/awm.py                                                    # tiny-shapes on CPU, a few minutes
 torchrun --nproc-per-node 8 algos/awm.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # benchmark/
 """

@@ -1,5 +1,10 @@
 """Centered Reward Distillation (CRD), Zhu et al. 2026, arXiv 2603.14128 -- docs/crd.md
 
+KL-regularised reward maximisation makes log(p / p_ref) = r / beta - log Z(c): CRD regresses an implicit reward (the
+velocity-error gap to an "old" snapshot) onto the advantage, both centred within a prompt's group, where log Z(c)
+cancels, plus a KL to the CFG-guided base. Equations are not numbered here: only the paper's abstract was available;
+the math follows the first author's implementation (Flow-Factory PR #121).
+
 python algos/crd.py                                                    # tiny-shapes on CPU, a few minutes
 torchrun --nproc-per-node 8 algos/crd.py --model stabilityai/stable-diffusion-3.5-medium --reward ocr  # see benchmark/
 """

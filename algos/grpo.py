@@ -1,5 +1,10 @@
 """Flow-GRPO, Liu et al. 2025, arXiv 2505.05470 -- docs/grpo.md
 
+The ODE sampler becomes an SDE with the same marginals (Eq. 8), whose Euler-Maruyama step (Eq. 9, common.sde_step) is
+a Gaussian policy with a per-step log-prob; each prompt's K images get group-relative advantages (Eq. 4,
+group_advantages) and the policy maximises PPO's clipped surrogate on the per-step ratios minus beta x the KL to the
+base (Eq. 5: ppo_loss + kl_beta x step_kl, the KL in closed form below Eq. 9). Equation numbers: arXiv v5.
+
 python algos/grpo.py                                                   # tiny-shapes on CPU, a few minutes
 torchrun --nproc-per-node 8 algos/grpo.py --model stabilityai/stable-diffusion-3.5-medium --reward pickscore  # see benchmark/
 """
@@ -317,6 +322,7 @@ def main(args: Args):
                         with common.autocast(device, args.mixed_precision):
                             v = common.velocity(transformer, x, sigmas[i], mb_cond, args.guidance_scale)
                         # old log-probs come from the rollout and are never recomputed: exactly PPO's ratio
+                        # Eq. 9's Gaussian step: its log-prob at the rollout's x_next
                         _, log_prob, mean, std = common.sde_step(
                             x,
                             v,
@@ -357,7 +363,7 @@ def main(args: Args):
                             else:
                                 kl = velocity_kl(v, v_ref)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
-                        loss = policy_loss + args.kl_beta * kl
+                        loss = policy_loss + args.kl_beta * kl  # Eq. 5, minimised
                         (loss / per_step).backward()
                         for name, value in (
                             ("policy_loss", policy_loss),

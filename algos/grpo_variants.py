@@ -345,7 +345,7 @@ def main(args: Args):
                             else:
                                 kl = grpo.velocity_kl(v, v_ref)
                             kl = (kl if weight is None else weight[sl] * kl).mean()  # filtered samples leave the KL too
-                        loss = policy_loss + args.kl_beta * kl
+                        loss = policy_loss + args.kl_beta * kl  # Flow-GRPO's Eq. 5, minimised
                         (loss / per_step).backward()
                         for name, value in (
                             ("policy_loss", policy_loss),

@@ -56,7 +56,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "convergence"
 NOISES = 8
 NUM_TRAIN_SAMPLE = 30
 REPO = Path(__file__).resolve().parents[1]
-# colour-attribution captions no run trained on (written by assets/unseen_colors.py): does RL's colour binding transfer?
+# colour-attribution captions no run trained on (written by benchmark/testbeds/unseen_colors.py): does RL's colour
+# binding transfer?
 UNSEEN = str(REPO / "assets" / "unseen_colors.jsonl")
 # every evaluation of a convergence run: the 30 held-out prompts x 8 noises (240 images) every 40 epochs (2,560 images)
 OCR_RESULTS = RESULTS / "ocr"
@@ -833,7 +834,7 @@ def cmd_roundtrip(args, sets):
     transformer's. Appends one row per prompt split to roundtrip.jsonl."""
     import random
 
-    from assets import world
+    from rewards.worlds import shapes as world
 
     pipe = models.load_pipeline(args.model, torch.device("cpu"))
     vae = pipe.pipe.vae

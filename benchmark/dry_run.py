@@ -79,7 +79,7 @@ def build_standin_pipeline(path: Path):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from assets import build_tiny_shapes as recipe
+    from benchmark.testbeds import build_tiny_shapes as recipe
 
     tok = recipe.build_tokenizer(["a", "red", "circle"], max_tokens=77)
     encoders = []

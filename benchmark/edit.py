@@ -37,7 +37,7 @@ RESULTS = REPO / "benchmark" / "results" / "edit"
 MODEL = REPO / "assets" / "tiny-edit"
 TEST = REPO / "assets" / "edit" / "test.jsonl"
 METRICS = ("edit_exact", "edit_asked", "rest_unchanged", "objects_extra", "edit")
-MAX_TOKENS = 16  # the tiny encoders' sequence length (assets/build_tiny_edit.py)
+MAX_TOKENS = 16  # the tiny encoders' sequence length (benchmark/testbeds/build_tiny_edit.py)
 
 
 def test_set(path: Path = TEST) -> tuple:
@@ -224,7 +224,7 @@ def main(argv=None):
     if args.command == "score" and not args.runs:
         ap.error("score: give the run folders")
     if args.command != "table" and not (args.model / "model_index.json").is_file():
-        ap.error(f"--model {args.model}: not a pipeline folder (build it: python assets/build_tiny_edit.py)")
+        ap.error(f"--model {args.model}: not a pipeline folder (build it: python benchmark/testbeds/build_tiny_edit.py)")
     if not args.prompts.is_file():
         ap.error(f"--prompts {args.prompts}: not found")
     try:

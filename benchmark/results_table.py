@@ -1,6 +1,7 @@
 """The README's results table, from the committed scores of the 960-image held-out protocol.
 
-    python benchmark/results_table.py            # the table
+    python benchmark/results_table.py            # every row (benchmark/results/README.md, whose links it writes)
+    python benchmark/results_table.py --summary  # one cell per algorithm and testbed, at its defaults (the README's)
     python benchmark/results_table.py --exports  # the exports it cites that are in the tree (benchmark/results/README.md)
 
 One protocol for every row: each export (what a user loads: runs/<run>/transformer or lora) sampled in a fresh stock
@@ -49,8 +50,8 @@ ROWS = [
         "nft_full_lr1e-4",
         "convergence/testbed8/leg9b/nft_full_lr1e-4__s3",
     ),
-    # AWM's best setting there (leg 18); the default KL 0.1's row (leg 12: 0.293, -0.002 vs CFG 4.5) is in the
-    # convergence README
+    ("tiny-shapes-8", "awm", "convergence/testbed8/leg12", "awm_full_kl0.1_lr1e-4", None),  # the default KL 0.1
+    # AWM's best setting there (leg 18)
     ("tiny-shapes-8", "awm (KL 0.03, EMA 0.99)", "convergence/testbed8/leg18", "awm_full_kl0.03_ema0.99_lr1e-4", None),
     ("tiny-shapes-8", "grpo", "convergence/testbed8/seeds32_grpo", "grpo", "convergence/testbed8/leg10/grpo__s1"),
     # the long run to the length GRPO's gradient noise scale predicts (testbed8/grpo_long/README.md)
@@ -124,11 +125,49 @@ def table() -> list:
         images = "/".join(sorted({f"{r['images']:,}" for r in rows}))
         exact = np.mean([r["exact"] for r in rows])
         name, _, variant = algo.partition(" ")
-        link = f"[{name}](docs/{name}.md)" + (f" {variant}" if variant else "")
+        # the table lives in benchmark/results/README.md
+        link = f"[{name}](../../docs/{name}.md)" + (f" {variant}" if variant else "")
         out.append(
             f"| {testbed} | {link} | {images} | {len(rows)} | {exact:.3f} | {gain(rows, 'cfg1')} | "
             f"{gain(rows, 'cfg4.5')} | {extra(rows)} |"
         )
+    return out
+
+
+ALGOS = ["crd", "nft", "dgpo", "awm", "elbo_grpo", "grpo", "dpo"]
+
+
+def summary() -> list:
+    """One cell per algorithm and testbed: the first row of ROWS at the file's defaults (a plain algorithm name; else
+    its first labelled row, the label in the cell), as held-out exact, its gain over the CFG-1 base ± one SE (bold
+    beyond two), images trained and seeds."""
+    testbeds = list(TESTBEDS)
+    out = ["| algorithm | " + " | ".join(testbeds) + " |", "|---" * (len(testbeds) + 1) + "|"]
+    bases = {}
+    for testbed in testbeds:
+        folder = next(f for t, _, f, _, _ in ROWS if t == testbed)
+        bases[testbed] = {r["guidance_scale"]: r["exact"] for r in held_out(folder, "base.jsonl")}
+    for cfg in (1.0, 4.5):
+        out.append(f"| base, CFG {cfg:g} | " + " | ".join(f"{bases[t][cfg]:.3f}" for t in testbeds) + " |")
+    for algo in ALGOS:
+        cells = []
+        for testbed in testbeds:
+            mine = [r for r in ROWS if r[0] == testbed and r[1].split(" ")[0] == algo]
+            plain = [r for r in mine if r[1] == algo]
+            if not (plain or mine):
+                cells.append("-")
+                continue
+            _, label, folder, setting, _ = (plain or mine)[0]
+            rows = [r for r in held_out(folder, "final.jsonl") if r["setting"] == setting]
+            images = "/".join(sorted({f"{r['images']:,}" for r in rows}))
+            note = label.partition(" ")[2].strip("()")
+            exact = np.mean([r["exact"] for r in rows])
+            cells.append(
+                f"{exact:.3f} ({gain(rows, 'cfg1')}; {images} img, {len(rows)} seed{'s' * (len(rows) > 1)}"
+                + (f"; {note}" if note else "")
+                + ")"
+            )
+        out.append(f"| [{algo}](docs/{algo}.md) | " + " | ".join(cells) + " |")
     return out
 
 
@@ -146,8 +185,8 @@ def exports() -> list:
 if __name__ == "__main__":
     if sys.argv[1:] in (["--help"], ["-h"]):
         print(__doc__)
-    elif sys.argv[1:] not in ([], ["--exports"]):
+    elif sys.argv[1:] not in ([], ["--exports"], ["--summary"]):
         print(f"results_table.py: unknown arguments {' '.join(sys.argv[1:])}; --help says what it prints", file=sys.stderr)
         sys.exit(2)
     else:
-        print("\n".join(exports() if sys.argv[1:] else table()))
+        print("\n".join({"--exports": exports, "--summary": summary}.get("".join(sys.argv[1:]), table)()))

@@ -1,4 +1,4 @@
-"""The `edit` reward of the edit world (`assets/edit_world.py`): was the asked edit made, and nothing else changed?
+"""The `edit` reward of the edit world (`rewards/worlds/edit.py`): was the asked edit made, and nothing else changed?
 
 The output image and the source scene are read by the shapes detector (`rewards/shapes.py`: every coloured component
 of at least MIN_AREA pixels, named after the shape template it fits best, with its centroid and area). The source
@@ -32,8 +32,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from assets import edit_world
 from rewards import shapes
+from rewards.worlds import edit as edit_world
 
 POSITION_TOLERANCE = 4.0  # pixels between a kept object's centre and where it was (sizes are 12-18 pixels)
 SIZE_TOLERANCE = 0.3  # relative error of a kept object's side, sqrt(area), against its drawn size

@@ -1,4 +1,4 @@
-"""GenEval-style programmatic reward for the tiny-shapes world (`assets/world.py`), no detector network needed.
+"""GenEval-style programmatic reward for the tiny-shapes world (`rewards/worlds/shapes.py`), no detector network needed.
 
 The caption is parsed into required objects and an optional relation; each pixel is read as a blend of the background
 and one palette colour, same-colour pixels are grouped into connected components, and each component is named after
@@ -15,10 +15,10 @@ Two rewards, because the GenEval-style one can be hacked:
     (met / requirements) x asked / (asked + extra), a recall x precision score: an image is only fully rewarded when it
     shows the asked objects and nothing else, and hedging (drawing a third shape to catch a missed requirement) costs
     more than it gains.
-`world.py` renders exactly the objects a caption names, so "every asked object and nothing else" is this world's
-ground truth: `exact` (1 iff every requirement is met and no other object is present, counting every coloured
-component of at least MIN_AREA pixels, also blobs that fit no shape) is logged at every eval next to the reward, with
-the extra objects per image and a wrong-prompt control (see `evaluate`).
+The world (`rewards/worlds/shapes.py`) renders exactly the objects a caption names, so "every asked object and nothing
+else" is this world's ground truth: `exact` (1 iff every requirement is met and no other object is present, counting
+every coloured component of at least MIN_AREA pixels, also blobs that fit no shape) is logged at every eval next to
+the reward, with the extra objects per image and a wrong-prompt control (see `evaluate`).
 """
 
 import math
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from assets.world import BACKGROUND, COLORS, NUMBERS, RELATIONS, SHAPES
+from rewards.worlds.shapes import BACKGROUND, COLORS, NUMBERS, RELATIONS, SHAPES
 
 SIZE = 64  # detection runs at the world's resolution: other sizes are resized first, coordinates are in this frame
 MAX_COLOR_DIST = 0.2  # RGB distance (in [0, 1] units) from a background-colour blend past which a pixel is ignored
@@ -267,7 +267,7 @@ def wrong_prompt(prompt: str) -> str:
     """A fixed other caption of the same category (the next one in sorted order of the grammar's captions), for the
     wrong-prompt control: an image that satisfies its own prompt no better than another one has learned nothing
     prompt-specific. Every category of the grammar has at least three captions."""
-    from assets.world import all_prompts
+    from rewards.worlds.shapes import all_prompts
 
     category = parse_prompt(prompt)["category"]
     others = sorted(p for c, p, _ in all_prompts() if c == category and p != prompt)

@@ -66,7 +66,7 @@ def random_pipeline_dir(tmp_path_factory):
     """A small random-weight SD3 pipeline built from configs (shift 3 like SD3.5), saved and reloadable offline."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    from assets import build_tiny_shapes as recipe
+    from benchmark.testbeds import build_tiny_shapes as recipe
 
     words = ["a", "red", "blue", "circle", "square", "and"]
     tok = recipe.build_tokenizer(words)
@@ -94,7 +94,7 @@ def tiny_flux_parts(words, guidance_embeds: bool, vae_size: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from assets import build_tiny_shapes as recipe
+    from benchmark.testbeds import build_tiny_shapes as recipe
 
     tok = recipe.build_tokenizer(list(words))
     torch.manual_seed(0)

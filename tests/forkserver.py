@@ -61,7 +61,7 @@ ATTRS = {  # diffusers and transformers import their classes lazily, on first at
 def quiet_transformers():
     """The pipeline classes import image processors that warn, through transformers' logger, that torchvision is
     missing. A script run never reaches that import by attribute as ATTRS does (or silences it itself:
-    assets/build_tiny_edit.py), so the preload keeps it out of what every child would replay."""
+    benchmark/testbeds/build_tiny_edit.py), so the preload keeps it out of what every child would replay."""
     try:
         import transformers
     except ImportError:

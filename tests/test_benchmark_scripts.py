@@ -387,9 +387,9 @@ def test_unseen_set_is_30_colour_attribution_prompts_of_the_world_in_neither_pro
     import json
 
     import common
-    from assets import world
     from benchmark.convergence import UNSEEN, prompt_sets
     from harness import prompt_files
+    from rewards.worlds import shapes as world
 
     sets = prompt_sets(unseen_file=UNSEEN)
     assert set(prompt_sets()) == {"test", "train"}  # without the file, the sets of before
@@ -429,9 +429,9 @@ def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
     minus the same image's reward for the next prompt, computed here with the reward itself."""
     import torch
 
-    from assets import text_world
     from benchmark.convergence import ocr_metrics
     from rewards import ocr
+    from rewards.worlds import text as text_world
 
     _, test = text_world.splits()
     captions, images = text_world.make_dataset(test[:6], 6, seed=3)
@@ -723,3 +723,18 @@ def test_every_committed_export_has_its_weights_or_a_readme_that_restores_and_re
     per_testbed = [(testbed, algo) for testbed, algo, *_, export in ROWS if export]
     assert len(per_testbed) == len(set(per_testbed)), "more than one export of an algorithm on a testbed"
     assert len(removed) >= 16  # the exports removed to keep the checkout small, each still restorable
+
+
+def test_the_learning_figure_reads_three_seeds_of_every_algorithm_from_one_base():
+    """benchmark/learning_figure.py's curves: every algorithm file at its defaults, 3 seeds each, evaluated at the same
+    images, every run starting from the same base evaluation (the figure's CFG-1 line)."""
+    from benchmark import learning_figure
+
+    algos = {name.lower().replace("-", "_") for name, _, _ in learning_figure.CURVES}
+    assert algos == {p.stem for p in (REPO / "algos").glob("*.py")} - {"grpo_variants"}
+    firsts = set()
+    for _, folder, setting in learning_figure.CURVES:
+        images, exact = learning_figure.seed_curves(folder, setting)
+        assert exact.shape == (3, len(images)) and images[0] == 0 and len(images) >= 3, (setting, exact.shape)
+        firsts |= {round(float(v), 6) for v in exact[:, 0]}
+    assert len(firsts) == 1, firsts

@@ -1,4 +1,4 @@
-"""The tiny-edit recipe (`assets/build_tiny_edit.py`): its training inputs are laid out as the stock
+"""The tiny-edit recipe (`benchmark/testbeds/build_tiny_edit.py`): its training inputs are laid out as the stock
 FluxKontextPipeline lays out its transformer inputs (tokens, position ids, timestep, text), a tiny build runs, is
 deterministic and loads in the stock pipeline, and bad flags fail with one line before any work."""
 
@@ -9,12 +9,13 @@ from diffusers import FluxKontextPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from assets import build_tiny_edit as recipe
-from assets import edit_world, world
-from assets.build_tiny_shapes import build_tokenizer, build_vae
+from benchmark.testbeds import build_tiny_edit as recipe
+from benchmark.testbeds.build_tiny_shapes import build_tokenizer, build_vae
+from rewards.worlds import edit as edit_world
+from rewards.worlds import shapes as world
 from tests.conftest import REPO, run_script, scalars
 
-SCRIPT = "assets/build_tiny_edit.py"
+SCRIPT = "benchmark/testbeds/build_tiny_edit.py"
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from PIL import Image
 import common
 import models
 from algos import dpo
-from assets import world
 from harness import checkpoints, prompt_files
+from rewards.worlds import shapes as world
 
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --grad-steps-per-epoch 1 --num-train-timesteps 1".split()
 

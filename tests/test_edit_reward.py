@@ -1,4 +1,4 @@
-"""The edit world (`assets/edit_world.py`) and its `edit` reward (`rewards/edit.py`): world renders of the right edit
+"""The edit world (`rewards/worlds/edit.py`) and its `edit` reward (`rewards/edit.py`): world renders of the right edit
 score 1, of the unchanged input, a wrong edit or an edit that also changes something else score less (by the
 formula, recomputed here from counts), for every edit type; the held-out split is disjoint from pretraining."""
 
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 import rewards
-from assets import edit_world, world
 from common import UserError
 from rewards import edit
+from rewards.worlds import edit as edit_world
+from rewards.worlds import shapes as world
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = {i: edit_world.task(i) for i in edit_world.all_instructions()}

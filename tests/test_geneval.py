@@ -187,7 +187,7 @@ def tiny_models(tmp_path_factory):
     "clip": a random CLIP whose tokenizer knows the colour templates' words}."""
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, Mask2FormerConfig, Mask2FormerImageProcessorPil
 
-    from assets.build_tiny_shapes import build_tokenizer
+    from benchmark.testbeds.build_tiny_shapes import build_tokenizer
 
     root = tmp_path_factory.mktemp("tiny-geneval")
     torch.manual_seed(0)

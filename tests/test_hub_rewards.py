@@ -12,7 +12,7 @@ from conftest import run_script
 from PIL import Image
 from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel
 
-from assets.build_tiny_shapes import MAX_TOKENS, build_tokenizer
+from benchmark.testbeds.build_tiny_shapes import MAX_TOKENS, build_tokenizer
 from common import UserError
 from rewards import _clip, imagereward
 from rewards.aesthetic import HEAD_ENV, HEAD_URL, AestheticMLP, aesthetic

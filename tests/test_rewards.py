@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import rewards
-from assets import world
 from common import UserError
 from rewards import jpeg, load_rewards, parse_reward_spec, shapes
+from rewards.worlds import shapes as world
 
 CATEGORY = {prompt: category for category, prompt, _ in world.all_prompts()}
 

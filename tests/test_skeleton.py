@@ -218,7 +218,7 @@ def test_help_fits_on_110_lines_at_120_columns(path):
     assert flags[0] == "--" + first_own.replace("_", "-"), f"--help opens with {flags[0]}, not the algorithm's flags"
 
 
-PROJECT = {"common", "models", "rewards", "harness", "assets", "algos"}
+PROJECT = {"common", "models", "rewards", "harness", "benchmark", "algos"}
 
 
 @pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
@@ -236,6 +236,7 @@ def test_an_algorithm_imports_at_most_five_of_the_projects_modules(path):
 
 
 def test_the_top_level_holds_at_most_two_python_files():
-    """The layout shows the layers: algos/, common.py, models/, rewards/, harness/ (the run's management), assets/,
-    benchmark/, docs/, tests/."""
+    """The layout shows the layers: algos/, common.py, models/, rewards/, harness/ (the run's management), assets/
+    (data only: the worlds are rewards/worlds/, the builders benchmark/testbeds/), benchmark/, docs/, tests/."""
     assert len(list(REPO.glob("*.py"))) <= 2, sorted(p.name for p in REPO.glob("*.py"))
+    assert not list(REPO.glob("assets/**/*.py")), "assets/ holds data only"

@@ -7,9 +7,9 @@ from conftest import needs_ocr, run_script
 
 import common
 import models
-from assets import text_world
 from harness import evaluation, prompt_files
 from rewards import ocr
+from rewards.worlds import text as text_world
 
 TINY_TEXT = str(common.REPO / "assets" / "tiny-text")
 TEXT_TRAIN = common.REPO / "assets" / "text_train.jsonl"
@@ -137,7 +137,7 @@ def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
     autocast, how the shipped models were built) runs them in bf16."""
     import torch.nn.functional as F
 
-    from assets import build_tiny_shapes as recipe
+    from benchmark.testbeds import build_tiny_shapes as recipe
 
     images = torch.randint(0, 256, (8, 64, 64, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     vae = recipe.build_vae(seed=12)
@@ -168,7 +168,8 @@ def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path
     assets = Path(__file__).resolve().parents[1] / "assets"
     splits = {p.name: p.stat().st_mtime_ns for p in assets.glob("*.jsonl")}
     out = tmp_path / "tiny-shapes-2"
-    cmd = ["assets/build_tiny_shapes.py", "--num-images", "64", "--flow-steps", "2", "--layers", "2", "--no-autocast"]
+    cmd = ["benchmark/testbeds/build_tiny_shapes.py", "--num-images", "64", "--flow-steps", "2", "--layers", "2"]
+    cmd.append("--no-autocast")
     run_script([*cmd, "--threads", "1", "--vae-from", str(assets / "tiny-shapes"), "--out", str(out)])
     shipped, built = assets / "tiny-shapes" / "vae", out / "vae"
     a = load_file(shipped / "diffusion_pytorch_model.safetensors")
@@ -183,12 +184,14 @@ def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path
 def test_recipe_rejects_a_vae_from_that_is_not_a_pipeline_in_one_line(tmp_path):
     """A wrong `--vae-from` ends at once with one line and exit 2, before any data is rendered or anything written."""
     out = tmp_path / "never"
-    proc = run_script(["assets/build_tiny_shapes.py", "--vae-from", str(tmp_path), "--out", str(out)], check=False)
+    build = "benchmark/testbeds/build_tiny_shapes.py"
+    proc = run_script([build, "--vae-from", str(tmp_path), "--out", str(out)], check=False)
     assert proc.returncode == 2 and "--vae-from" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
     for text in ("{not json", "[1, 2]", "\udcff"):  # a truncated, a non-object and an undecodable config
         (tmp_path / "vae").mkdir(exist_ok=True)
         (tmp_path / "vae" / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
-        proc = run_script(["assets/build_tiny_shapes.py", "--vae-from", str(tmp_path), "--out", str(out)], check=False)
+        build = "benchmark/testbeds/build_tiny_shapes.py"
+        proc = run_script([build, "--vae-from", str(tmp_path), "--out", str(out)], check=False)
         assert proc.returncode == 2 and "--vae-from" in proc.stderr.strip().splitlines()[-1], proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()

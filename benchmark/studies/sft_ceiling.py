@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import models  # noqa: E402,F401  (registers the model families with common)
-from assets import world  # noqa: E402
 from benchmark.convergence import RESULTS, append, prompt_sets, score, summary  # noqa: E402
 from harness import prompt_files  # noqa: E402
 from rewards import shapes  # noqa: E402
+from rewards.worlds import shapes as world  # noqa: E402
 
 
 def main():

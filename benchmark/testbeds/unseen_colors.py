@@ -4,7 +4,7 @@ Every colour-attribution caption of the grammar that is in neither train.jsonl n
 colour-shape pair (the splits train on every other one), so each of these asks for at least one colour-shape pair
 never written in a training caption. The 6 that hold two such pairs come first, then 24 of the rest, drawn with seed 0.
 
-    python assets/unseen_colors.py
+    python benchmark/testbeds/unseen_colors.py
 """
 
 import json
@@ -12,8 +12,9 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from assets import world  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # what this writes: data only
+from rewards.worlds import shapes as world  # noqa: E402
 
 train, test = world.splits()
 seen = {p[1] for p in train + test}
@@ -22,6 +23,6 @@ both = [p for p in unseen if all(pair in world.HELD_OUT_PAIRS for pair in p[2])]
 rest = [p for p in unseen if p not in both]
 random.Random(0).shuffle(rest)
 rows = [{"prompt": prompt, "category": cat, "held_out": True} for cat, prompt, _ in both + rest[: 30 - len(both)]]
-out = Path(__file__).with_name("unseen_colors.jsonl")
+out = ASSETS / "unseen_colors.jsonl"
 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 print(f"{out}: {len(rows)} of {len(unseen)} unseen colour-attribution prompts ({len(both)} with two held-out pairs)")

@@ -1,8 +1,10 @@
 """Recipe for the embedded edit model tiny-edit: a FLUX.1-Kontext-style pipeline pretrained on the edit world.
 
-    python assets/build_tiny_edit.py                          # the full build, writes assets/tiny-edit/ (see below)
-    python assets/build_tiny_edit.py --vae-from assets/tiny-shapes     # the same world's autoencoder: no VAE stage
-    python assets/build_tiny_edit.py --num-pairs 512 --vae-steps 20 --flow-steps 20 --out /tmp/tiny-edit-smoke
+    # the full build, writes assets/tiny-edit/ (see below):
+    python benchmark/testbeds/build_tiny_edit.py
+    # the same world's autoencoder: no VAE stage:
+    python benchmark/testbeds/build_tiny_edit.py --vae-from assets/tiny-shapes
+    python benchmark/testbeds/build_tiny_edit.py --num-pairs 512 --vae-steps 20 --flow-steps 20 --out /tmp/tiny-edit-smoke
 
 README section:
 
@@ -11,7 +13,7 @@ README section:
 `AutoencoderKL` (64x64x3 -> 16x16x4, the tiny-shapes design), a tiny `CLIPTextModel` (pooled) and a tiny
 `T5EncoderModel` (sequence), both reading a word-level CLIP tokenizer of the edit grammar (a T5 tokenizer cannot be
 built offline; the pipeline only calls it). It is pretrained on 20,000 (source, instruction, edited) pairs of the
-edit world (`assets/edit_world.py`: recolor, add, remove, move) that never perform a held-out edit and show each of
+edit world (`rewards/worlds/edit.py`: recolor, add, remove, move) that never perform a held-out edit and show each of
 the 203 other instructions, with Kontext's conditioning: the source image's latents are extra tokens after the noisy
 ones, with position ids (1, row, col) where the noisy tokens have (0, row, col), and the transformer's output on them
 is dropped. 10% of the pairs drop the instruction (never the image), so that two-pass CFG (`true_cfg_scale` with
@@ -57,11 +59,13 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontex
 
 transformers.logging.set_verbosity(_verbosity)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from assets import build_tiny_shapes as recipe  # noqa: E402
-from assets import edit_world, world  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # what this writes: data only
+from benchmark.testbeds import build_tiny_shapes as recipe  # noqa: E402
 from common import UserError  # noqa: E402
 from rewards import edit as edit_reward  # noqa: E402
+from rewards.worlds import edit as edit_world  # noqa: E402
+from rewards.worlds import shapes as world  # noqa: E402
 
 MAX_TOKENS = 16  # both encoders' sequence length; the longest instruction has 7 words
 TEXT_DIM = 64  # CLIP width (the pooled vector) and T5 width (the sequence)
@@ -327,7 +331,7 @@ def parse_args(argv=None):
             vae = None
         if not isinstance(vae, dict) or vae.get("scaling_factor") is None or vae.get("latent_channels") != 4:
             raise UserError(f"--vae-from {args.vae_from}: not a pipeline folder with a 4-channel scaled autoencoder (vae/)")
-    out = Path(args.out or Path(__file__).with_name("tiny-edit"))
+    out = Path(args.out or ASSETS / "tiny-edit")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
     if not out.parent.is_dir():

@@ -1,12 +1,13 @@
 """Recipe for the embedded models tiny-shapes and tiny-text: data, tokenizer, autoencoder, text encoders, transformer.
 
-    python assets/build_tiny_shapes.py                             # ~25 min on 2 CPU cores, writes assets/tiny-shapes/
-    python assets/build_tiny_shapes.py --world text --threads 1    # 45 min, writes assets/tiny-text/ (OCR)
+    # ~25 min on 2 CPU cores, writes assets/tiny-shapes/:
+    python benchmark/testbeds/build_tiny_shapes.py
+    python benchmark/testbeds/build_tiny_shapes.py --world text --threads 1    # 45 min, writes assets/tiny-text/ (OCR)
 
 The result is a plain `StableDiffusion3Pipeline` folder (save_pretrained layout, safetensors) that loads with
 `StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None)`, so every line that handles
 SD3.5 on a GPU runs on it too. Built into assets/ (no `--out`) it also writes the prompt splits:
-`assets/{train,test}.jsonl` for shapes, `assets/text_{train,test}.jsonl` for text (`assets/text_world.py`: one 2-4
+`assets/{train,test}.jsonl` for shapes, `assets/text_{train,test}.jsonl` for text (`rewards/worlds/text.py`: one 2-4
 letter word per image, test words unseen).
 `--world mixed` trains one model on half of each world: at the same budget it scored 0.397 on held-out shapes prompts
 (tiny-shapes: 0.488) and spelled no better than a text-only build, so tiny-text is a separate pipeline (docs/ocr.md).
@@ -34,8 +35,10 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from assets import text_world, world  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # what this writes: data only
+from rewards.worlds import shapes as world  # noqa: E402
+from rewards.worlds import text as text_world  # noqa: E402
 
 MAX_TOKENS = 16  # CLIP context length of tiny-shapes; the longest caption has 11 words
 TEXT_MAX_TOKENS = 32  # with text captions: 'a label with the text "ABCD"' is 27 characters, each a token
@@ -251,7 +254,7 @@ def main():
             ap.error(f"--vae-from {args.vae_from}: not a pipeline folder with a scaled autoencoder (vae/config.json)")
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    here = Path(__file__).parent
+    here = ASSETS
     out = args.out or str(here / f"tiny-{args.world}")
 
     def log(msg):

@@ -1,4 +1,4 @@
-"""The edit world: (source scene, instruction, edited scene) triples over the tiny-shapes world (`assets/world.py`).
+"""The edit world: (source scene, instruction, edited scene) triples over the tiny-shapes world (`rewards/worlds/shapes.py`).
 
 A scene holds 1-3 objects with distinct (colour, shape) pairs, so "the red circle" always names one object, and "the
 circle" is written only when the scene has one circle. Four edits, in a small grammar:
@@ -23,7 +23,7 @@ Canonical scenes. Each instruction string has one canonical scene, `task(instruc
 seeded by its text: the prompt files pair each instruction with the render of that scene (203 train and 28 test
 (scene, instruction) pairs), and the `edit` reward (`rewards/edit.py`) reads the source scene from the
 prompt's image, or, for a prompt that reaches it as a plain string (a reward server), uses the canonical scene.
-`python assets/edit_world.py` writes assets/edit/{train,test}.jsonl and their images.
+`python rewards/worlds/edit.py` writes assets/edit/{train,test}.jsonl and their images.
 Pretraining pairs (`make_dataset`) draw many scenes per instruction from a separate seed.
 """
 
@@ -37,8 +37,9 @@ from pathlib import Path
 
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from assets import world  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # what this writes: data only
+from rewards.worlds import shapes as world  # noqa: E402
 
 EDITS = ("recolor", "add", "remove", "move")
 DIRECTIONS = {"to the left": (-1, 0), "to the right": (1, 0), "up": (0, -1), "down": (0, 1)}  # image y points down
@@ -288,6 +289,6 @@ def write_prompt_files(folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("edit")
+    out = ASSETS / "edit"
     counts = write_prompt_files(out)
     print(f"{out}: {counts['train']} train and {counts['test']} held-out test instructions, one source image each")
