@@ -87,24 +87,15 @@ class Args(flags.SharedArgs, AWMArgs):
 STD_EPS = 1e-4
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, std: str = "group", leave_one_out: bool = False, clip: Optional[float] = None
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, std: str = "group", clip: Optional[float] = None) -> torch.Tensor:
     """Group-relative advantages for rewards laid out as contiguous groups of K ([B] with B = M K).
 
-    A_i = (r_i - baseline_i) / scale. baseline: the group mean, or with `leave_one_out` the mean of the other K-1
-    samples (RLOO). scale: the group's population std (`std="group"`), the std over all samples (`"global"`), each
-    plus STD_EPS. A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
+    A_i = (r_i - mean of its group) / scale. scale: the group's population std (`std="group"`), the std over all samples
+    (`"global"`), each plus STD_EPS. A group whose rewards are all equal gets advantage 0 (never NaN), and a nearly
     flat one (differences at float rounding) gets advantages near 0, not +-1. Then optional clip to [-c, c].
     """
     r = rewards.double().view(-1, group_size)
-    if leave_one_out:
-        if group_size < 2:
-            raise common.UserError("leave-one-out advantages need a group size >= 2")
-        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(1, keepdim=True)
-    centred = r - baseline
+    centred = r - r.mean(1, keepdim=True)
     if std == "group":
         scale = r.std(1, unbiased=False, keepdim=True) + STD_EPS
     elif std == "global":
@@ -124,7 +115,6 @@ def aggregate_advantages(
     group_size: int,
     aggregation: str = "sum",
     std: str = "group",
-    leave_one_out: bool = False,
     clip: Optional[float] = None,
 ) -> torch.Tensor:
     """Several rewards -> one advantage per sample.
@@ -135,9 +125,9 @@ def aggregate_advantages(
     """
     if aggregation == "sum":
         total = sum(w * scores[k] for k, w in weights.items())
-        return group_advantages(total, group_size, std, leave_one_out, clip)
+        return group_advantages(total, group_size, std, clip=clip)
     if aggregation == "gdpo":
-        combined = sum(w * group_advantages(scores[k], group_size, "group", leave_one_out) for k, w in weights.items())
+        combined = sum(w * group_advantages(scores[k], group_size, "group") for k, w in weights.items())
         combined = (combined - combined.mean()) / (combined.std(unbiased=False) + STD_EPS)  # as the group path
         return combined.clamp(-clip, clip) if clip is not None else combined
     raise common.UserError(f"unknown advantage aggregation {aggregation!r}; choose sum or gdpo")
