@@ -256,7 +256,7 @@ def main(args: Args):
             # each rank scores its own images (during sampling: --overlap-reward); advantages use the whole epoch's batch
             images, local_scores = scorer.result()
             scores = shell.gather_scores(local_scores, total, args.grad_steps_per_epoch)
-            adv = aggregate_advantages(  # Eq. 7: GRPO's group-relative advantage, the same function as algos/grpo.py
+            adv = aggregate_advantages(  # Eq. 7: GRPO's group-relative advantage (grpo.py's, without RLOO)
                 scores, rewards.weights, args.group_size, args.advantage_aggregation, args.advantage_std, clip=args.adv_clip
             )[local_idx].to(device)
             images_seen += args.num_prompts * args.group_size

@@ -63,6 +63,7 @@ ROWS = [
         "convergence/testbed8/grpo_long/export",
     ),
     ("tiny-shapes-8", "elbo_grpo", "convergence/testbed8/leg13", "elbo_grpo_full_lr3e-5", None),
+    ("tiny-shapes-8", "dpo", "convergence/testbed8/dpo_default", "dpo_full", None),
     ("tiny-shapes-8", "grpo (MixGRPO)", "convergence/testbed8/leg14", "grpo_mixgrpo", None),
     ("tiny-shapes-8", "grpo (TempFlow-GRPO)", "convergence/testbed8/leg14", "grpo_tempflow", None),
     ("tiny-shapes-8", "grpo (Flow-DPPO)", "convergence/testbed8/leg14", "grpo_flow_dppo", None),

@@ -214,7 +214,7 @@ def _flag(name: str) -> str:
 
 
 def check_args(args, fresh: bool = True):
-    """The checks that need no model, on the fields the five scripts share (each script checks its own after this):
+    """The checks that need no model, on the fields every script shares (each script checks its own after this):
     every bad value fails here, with one line, before anything is loaded or written."""
     env_ranks()  # a torchrun environment left over (no MASTER_ADDR), or a RANK that is not one: one line, first
     fields = vars(args)
