@@ -117,7 +117,8 @@ def assert_same_state(a, b, label=""):
         assert torch.equal(x, y), label
 
 
-@pytest.mark.parametrize("algo", sorted(FLAGS))
+# crd in the fast tests, every script in the slow ones (the same shell, another loss)
+@pytest.mark.parametrize("algo", [a if a == "crd" else pytest.param(a, marks=pytest.mark.slow) for a in sorted(FLAGS)])
 def test_smoke_and_exact_resume(algo, reference, shared_prompts, tmp_path):
     """A 3-epoch run writes its artifacts; 1 epoch + `--resume` for two more ends bit-identical (CPU), with prompts
     that repeat across epochs."""
@@ -229,6 +230,7 @@ def test_bad_reward_output_stops_with_one_line(bad, message, prompts, monkeypatc
     assert err.strip().splitlines()[-1] == message
 
 
+@pytest.mark.slow
 def test_nan_loss_skips_then_aborts_with_checkpoint(prompts):
     """A learning rate that blows the weights up: non-finite updates are skipped with a warning, five in a row abort
     with one line and a checkpoint; the earlier checkpoints are kept."""
@@ -242,6 +244,7 @@ def test_nan_loss_skips_then_aborts_with_checkpoint(prompts):
     ) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "nft"])
 def test_overlapped_and_sequential_reward_call_the_model_on_identical_chunks(algo, prompts, monkeypatch):
     """Why the two paths agree bit for bit on any CPU: the transformer, the VAE and the reward see the same batches (a

@@ -140,6 +140,7 @@ def _run(tmp_path, flags):
     return scalars(run_dir)
 
 
+@pytest.mark.slow
 def test_old_log_probs_are_precomputed_under_the_sampling_policy(tmp_path):
     """Two-pass: one optimizer step per epoch gives ratio == 1 exactly; with two, the second step's micro-batches see
     the moved policy against the precomputed old log-likelihoods, so ratio != 1 and a tiny clip range bites."""

@@ -76,6 +76,7 @@ def test_shuffled_advantages_control_permutes_grpos_advantages_the_same_way_for_
     assert torch.equal(shuffled, control.grpo.aggregate_advantages(scores, {"shapes_clean": 1.0}, 8))
 
 
+@pytest.mark.slow
 def test_shuffled_advantages_takes_grpos_flags_with_their_one_line_errors():
     """The control parses grpo.py's flags with `run.cli`: a bad one is one line, exit 2 (tyro read the docstrings of a
     module it could not find and raised a 60-line traceback); --help lists them."""
@@ -306,6 +307,7 @@ def test_memory_table_bad_out_folder_exits_2_writing_nothing(tmp_path):
     assert r.stderr.strip().splitlines() == [f"--out {out}: the folder {out.parent} does not exist"]
 
 
+@pytest.mark.slow
 def test_full_size_configs_have_the_published_sizes():
     """The configs the memory table uses, built on the meta device: Qwen-Image's 20,430,401,088 parameters are the
     40.86 GB of its released bf16 safetensors; FLUX.2-dev is BFL's "32B", its Mistral-Small encoder "24B", Qwen2.5-VL-7B
@@ -320,6 +322,7 @@ def test_full_size_configs_have_the_published_sizes():
     assert 23.5e9 < component_params(flux2.text_encoder) < 24.5e9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -347,6 +350,7 @@ def test_convergence_bad_inputs_exit_2_writing_nothing(tmp_path, argv, message):
     assert r.stderr.strip().splitlines()[-1] == f"convergence.py: error: {message.format(**fill)}"
 
 
+@pytest.mark.slow
 def test_convergence_final_refuses_a_run_still_training(tmp_path):
     """`final` on a run whose .lock a training process holds would score the half-trained export of its last
     checkpoint: one line, rc 2, nothing written. Once the lock is released the same folder is past the guard."""
@@ -423,6 +427,7 @@ def test_base_row_gives_best_of_k_only_up_to_its_noises():
     assert "best_of_4_per_prompt" not in base_row({k: v[:2] for k, v in m.items()}, 1.0, "test")
 
 
+@pytest.mark.slow
 @needs_ocr
 def test_ocr_metrics_read_rendered_words_and_score_them_against_the_next_word():
     """convergence.ocr_metrics on rendered words (read back exactly): exact is the reward's 1.0, the gap is the score
@@ -519,6 +524,7 @@ def test_categories_table_gives_each_kinds_exact_for_the_base_and_the_seeds_mean
         assert np.allclose(got, want, atol=6e-4), (kind, got, want)
 
 
+@pytest.mark.slow
 def test_categories_without_per_prompt_base_rows_is_one_line_rc_2(tmp_path):
     """`categories` on a folder with no base row carrying per-prompt lists says so in one line, exits 2."""
     import subprocess
@@ -536,6 +542,7 @@ def test_categories_without_per_prompt_base_rows_is_one_line_rc_2(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -649,6 +656,7 @@ def test_gradient_noise_shuffles_dpo_pairs():
     assert dpo.select_pairs(rewards, 8, "best-worst").tolist() == expected != [[7, 0], [15, 8]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -678,6 +686,7 @@ def test_gradient_noise_bad_inputs_are_one_line_rc_2(argv, message):
     assert r.stderr.strip().splitlines() == [message]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("study", sorted(p.name for p in (REPO / "benchmark" / "studies").glob("*.py")))
 def test_every_study_answers_help(study):
     """The finished studies moved to benchmark/studies/ still find the repository: `--help` works, exit 0."""

@@ -135,6 +135,7 @@ def test_tiny_build_is_deterministic(tiny_build, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -180,6 +181,7 @@ def test_a_stopped_flow_stage_resumes_to_the_same_weights(random_pipe, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", ["garbage", "other"])
 def test_a_bad_checkpoint_fails_in_one_line(tmp_path, content):
     out = tmp_path / "out"
@@ -225,6 +227,7 @@ def test_edit_benchmark_pairs_every_export_with_the_base_on_the_same_noises(tiny
     assert Image.open(tmp_path / "grid.png").size == (3 * (128 + 4) + 4, 14 + 2 * (128 + 14 + 4) + 4)
 
 
+@pytest.mark.slow
 def test_edit_benchmark_bad_inputs_are_one_line(tmp_path):
     result = run_script(["benchmark/edit.py", "score", tmp_path], check=False)
     assert result.returncode == 2 and "not a run folder (no args.json)" in result.stderr.strip().splitlines()[-1]

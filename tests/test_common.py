@@ -462,6 +462,7 @@ run.run_main(lambda args: checkpoints.save_checkpoint({path!r}, {{"epoch": 2, "w
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_write_failure_is_one_line_and_leaves_no_temp_files(tmp_path):
     from conftest import run_script
 
@@ -487,6 +488,7 @@ for epoch in range(1, 10**6):
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path):
     """SIGKILL at arbitrary moments of a write loop: `last` always points at a complete checkpoint (temp folder, rename,
     then an atomically replaced symlink)."""

@@ -100,6 +100,7 @@ def results_table(*flags) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_readme_results_table_is_the_scripts_output():
     """The README's results table is `python benchmark/results_table.py --summary`, and benchmark/results/README.md's
     full table `python benchmark/results_table.py`, as printed (so their numbers are the committed scores'); the results

@@ -175,6 +175,7 @@ def test_online_flags_with_pairs_are_refused(tmp_path, capsys):
     assert rc == 2 and "--pairs-per-group: an online setting" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_offline_dpo_runs_and_resumes_exactly(tmp_path):
     """Offline DPO from tiny-shapes renders: 2 epochs write the usual artifacts and the DPO metrics; 1 epoch then
     --resume to 2 ends bit for bit where the uninterrupted run did (the file is read and encoded again on resume)."""
@@ -198,6 +199,7 @@ def test_offline_dpo_runs_and_resumes_exactly(tmp_path):
         assert torch.equal(value, b["params"][name]), name
 
 
+@pytest.mark.slow
 def test_offline_chosen_only_is_sft(tmp_path):
     """Lines without "rejected": the plain flow-matching loss on the chosen images, no reference and no DPO metrics."""
     pairs = write_pairs(tmp_path, sft=True)
@@ -375,6 +377,7 @@ def qwen_edit_dir(tmp_path_factory):
     return tiny_families.qwen_image_edit(tmp_path_factory.mktemp("qwen-edit") / "model")
 
 
+@pytest.mark.slow
 def test_offline_dpo_on_edit_pairs_trains_qwen_image_edit(qwen_edit_dir, tmp_path, capsys, monkeypatch):
     """The other edit family: its reference images resized (any size of one aspect ratio), the chosen and rejected
     images encoded by its `encode_image` (its latents are not the VAE's own): finite DPO losses, reference latents in

@@ -146,6 +146,7 @@ def pretraining():
     return edit_world.make_dataset(20000, seed=0)  # the builder's default pairs
 
 
+@pytest.mark.slow
 def test_pretraining_never_performs_a_held_out_edit(pretraining):
     held = set(edit_world.held_out_instructions())
     done = Counter()
@@ -340,6 +341,7 @@ def test_a_prompt_with_its_image_is_scored_against_that_image(tmp_path):
     assert scored([moved], ["move the blue square up"])["edit"].item() == 0  # the canonical scene is elsewhere
 
 
+@pytest.mark.slow
 def test_the_prompt_files_load_as_image_prompts_the_reward_scores():
     """Through prompt_files.load_prompts (the scripts' path): Prompt records whose image the reward reads."""
     from harness import prompt_files

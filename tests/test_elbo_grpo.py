@@ -134,6 +134,7 @@ def _run(tmp_path, flags):
     return scalars(run_dir)
 
 
+@pytest.mark.slow
 def test_old_elbos_come_from_the_rollout_weights_at_the_same_draws(tmp_path):
     """One optimizer step per epoch: the new ELBO is computed at the very (t, eps) of the old one with the same weights,
     so the ratio is exactly 1 (nothing clipped). With two, the second step's draws see the moved policy against the

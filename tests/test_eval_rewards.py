@@ -32,6 +32,7 @@ def eval_images(num_steps: int) -> torch.Tensor:
     return images
 
 
+@pytest.mark.slow
 def test_eval_rewards_are_logged_in_the_summary_and_kept_on_resume(tmp_path, capsys):
     (tmp_path / "test.txt").write_text("\n".join(TEST_PROMPTS) + "\n")
     (tmp_path / "train.txt").write_text("a blue square\nthree circles\n")

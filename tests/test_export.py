@@ -101,6 +101,7 @@ def stock_sd3(lora_dir=None):
     return pipe
 
 
+@pytest.mark.slow
 def test_exported_lora_in_a_stock_sd3_pipeline_equals_our_sampler(trained, tmp_path):
     """StableDiffusion3Pipeline.load_lora_weights(runs/<run>/lora) + __call__ with the same noise and sigmas gives our
     sampler's images with the trained weights (max abs diff 0.0 measured), and not the base model's, nor what the same
@@ -221,6 +222,7 @@ def test_export_alternative_weights_and_atomic_replace(trained, tmp_path):
     assert Image.open(out / "samples.png").size == (6, 4)
 
 
+@pytest.mark.slow
 def test_exported_lora_in_a_stock_flux_pipeline_equals_our_sampler(flux_pipeline_dirs, tmp_path):
     """FLUX.1-dev layout (tiny, random): a LoRA with random non-zero B exported, loaded by FluxPipeline.load_lora_weights."""
     from diffusers import FluxPipeline

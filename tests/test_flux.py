@@ -113,6 +113,7 @@ def test_sd3_lora_targets_exist_in_flux_and_reference_disables_them(pipes):
             torch.testing.assert_close(common.velocity(transformer, x, 0.5, cond, 3.5), base)
 
 
+@pytest.mark.slow
 def test_nft_runs_on_flux(flux_pipeline_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))

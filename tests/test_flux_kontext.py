@@ -310,6 +310,7 @@ def assert_finite_logs(logged: dict):
     assert losses and all(logged[tag] and all(math.isfinite(v) for v in logged[tag]) for tag in tags), logged
 
 
+@pytest.mark.slow
 def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_pipeline(kontext_dirs, edit_prompts, tmp_path):
     """CRD end to end on image prompts: finite losses and rewards logged, a trained LoRA; the exported LoRA loaded
     into a fresh FluxKontextPipeline, called as the card says, gives our sampler's images with the trained weights."""
@@ -335,6 +336,7 @@ def test_crd_trains_on_image_prompts_and_the_export_reproduces_it_in_the_stock_p
     assert ((ours[0] * 255).round() - card).abs().max().item() <= 1  # both rounded to 8 bits
 
 
+@pytest.mark.slow
 def test_a_resumed_run_on_image_prompts_ends_bit_identical(kontext_dirs, edit_prompts, tmp_path):
     """2 epochs, against 1 epoch and `--resume` for one more: the resumed run starts with an empty cache and encodes
     each image again, alone, into the same latents (CPU)."""

@@ -51,6 +51,7 @@ def fresh(argv, cwd, env, timeout):
         return proc.returncode, out, err, True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_child_is_a_fresh_interpreter(server, tmp_path, name):
     s, env = server
@@ -60,6 +61,7 @@ def test_a_child_is_a_fresh_interpreter(server, tmp_path, name):
     assert s.run(argv, tmp_path, 60) == fresh(argv, tmp_path, env, 60)
 
 
+@pytest.mark.slow
 def test_a_hung_child_is_killed_with_its_group(server, tmp_path):
     s, env = server
     script = tmp_path / "hang.py"

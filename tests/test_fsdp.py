@@ -281,6 +281,7 @@ def test_bf16_base_is_gathered_in_bf16_and_the_lora_stays_fp32(prompts, tmp_path
     assert ckpt["step"] == 1 and {v.dtype for v in ckpt["params"].values()} == {torch.float32}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated shard", "no metadata"])
 def test_damaged_shards_stop_a_resume_with_one_line(damage, runs, tmp_path):
     """A shard file cut short (a disk that filled after the rename, a partial copy) or a lost .metadata: the resume

@@ -144,6 +144,7 @@ def test_resume_is_bit_exact(full_run, prompt_dir, tmp_path):
     assert_same_state(a, b, "crd")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, expected",
     [
@@ -292,6 +293,7 @@ def test_grpo_trains_a_lora_by_default():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("algo", "full_lr", "lora_lr"),
     [("crd", 1e-4, 1e-3), ("nft", 1e-4, 3e-3), ("dgpo", 1e-4, 1e-3), ("awm", 1e-4, 1e-3), ("elbo_grpo", 3e-5, 1e-3)],

@@ -276,6 +276,7 @@ def test_detector_finds_the_planted_cats(env):
     assert cats[0].score == pytest.approx(p / (1 + math.exp(-3.2)), rel=1e-4)  # x mean mask probability sigmoid(3.2)
 
 
+@pytest.mark.slow
 def test_rewards_score_the_rules_end_to_end(env):
     from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
@@ -346,6 +347,7 @@ def run_benchmark(argv, capsys):
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_benchmark_scores_per_tag_and_overall(env, tmp_path, capsys):
     rows = [json.loads(line) for line in METADATA.read_text().splitlines()][:3]  # single_object x 2, two_object
     rows.append({"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"})
@@ -386,6 +388,7 @@ def test_benchmark_bad_metadata_is_one_line_and_writes_nothing(env, tmp_path, ca
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_tiny_training_run_on_geneval_with_the_strict_score_as_a_side_metric(env, tmp_path):
     from conftest import run_in_process
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -150,6 +150,7 @@ def test_contiguous_window_is_a_random_run_inside_the_window():
     assert subset == sorted(window[i] for i in torch.randperm(5, generator=torch.Generator().manual_seed(0))[:3])
 
 
+@pytest.mark.slow
 def test_paper_options_run_end_to_end(tmp_path, capsys):
     """GRPO-Guard + official KL + contiguous window + zero-advantage filter on CPS with the surrogate log-prob is
     refused (Guard needs Gaussian log-probs); each combination that is allowed trains one epoch."""
@@ -272,6 +273,7 @@ def test_official_noise_weight_averages_one_over_sd35_trained_steps():
     assert weights[0] > 1 > weights[-1]  # the early, noisy steps weigh more
 
 
+@pytest.mark.slow
 def test_sliding_window_and_noise_weight_train_end_to_end(tmp_path):
     """MixGRPO's window moves in the training loop (tau = 1: one step later each epoch, rolling back), with TempFlow's
     noise weights on; the logged mean trained step is the window of each epoch."""
@@ -344,6 +346,7 @@ def test_group_win_rates_match_a_pairwise_loop():
     assert (adv[8:] == 0).all()
 
 
+@pytest.mark.slow
 def test_the_variants_file_without_a_switch_is_plain_flow_grpo(tmp_path):
     """algos/grpo_variants.py with none of its papers' switches trains what algos/grpo.py trains, weight for weight
     (the variants are changes to Flow-GRPO, not another Flow-GRPO), on a run with the KL, the zero-advantage filter and

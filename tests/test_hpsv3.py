@@ -122,6 +122,7 @@ def test_registry(env):
     assert set(rewards(smooth_images(2), PROMPTS[:2])) == {"hpsv3", "jpeg_compressibility"}
 
 
+@pytest.mark.slow
 def test_tiny_training_run_on_hpsv3(tiny_hpsv3, tmp_path):
     """One GRPO epoch of the tiny model on hpsv3 through the registry: the reward is logged and the eval scores it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

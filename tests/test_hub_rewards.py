@@ -393,6 +393,7 @@ def test_registry(env):
     assert rewards.total(scores).shape == (2,)
 
 
+@pytest.mark.slow
 def test_tiny_training_run_on_hpsv2_and_imagereward(tiny_clip, tmp_path):
     """One GRPO epoch of the tiny model on hpsv2 + imagereward through the registry, as a user runs it: both rewards
     are logged and the evaluation scores them."""

@@ -635,6 +635,7 @@ def test_wan22_a14b_rows_on_both_sides_of_the_boundary_take_their_own_expert(wan
     assert (v_ref - v).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_wan22_a14b_lora_trains_both_experts_loads_in_the_pipeline_and_resumes_exactly(wan22_dirs, family_dirs, tmp_path):
     """NFT, one epoch on the tiny A14B: one LoRA set over both experts, each one's update non-zero; exported as two
     diffusers files that WanPipeline loads (the second with load_into_transformer_2=True) and that then samples what we

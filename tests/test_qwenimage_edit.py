@@ -87,6 +87,7 @@ def stock_images(pipe, prompt, noise, steps, guidance_scale, negative_prompt):
     ).images
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guidance_scale, negative_prompt", [(1.0, ""), (3.0, "blurry"), (2.0, "")])
 def test_ode_sampler_matches_qwen_image_edit_pipeline(edit_dir, edit_prompts, guidance_scale, negative_prompt):
     """Same noise: our batched sampler (each prompt its own image) equals the pipeline called per prompt with that
@@ -106,6 +107,7 @@ def test_ode_sampler_matches_qwen_image_edit_pipeline(edit_dir, edit_prompts, gu
     assert (ours - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_image_reaches_both_encoders(edit_dir, edit_prompts):
     """The same text on two images: different embeddings (the VL encoder sees the image), different reference
     latents, and a different velocity; the negative prompt too is encoded on each image."""
@@ -126,6 +128,7 @@ def test_the_image_reaches_both_encoders(edit_dir, edit_prompts):
     assert v.shape == x.shape and not torch.allclose(v[0], v[1])
 
 
+@pytest.mark.slow
 def test_each_image_is_encoded_once_and_the_negative_once_per_image(edit_dir, edit_prompts, monkeypatch):
     """The VAE sees each image once, at the pipeline's resized copy; the VL encoder each (text, image) once, the
     negative prompt once per image; each equal to the pipeline's own encoding."""
@@ -159,6 +162,7 @@ def test_each_image_is_encoded_once_and_the_negative_once_per_image(edit_dir, ed
         torch.testing.assert_close(embeds[2, : e.shape[1]], e[0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_precompute_encodes_the_negative_on_each_image_and_no_bare_one(edit_dir, edit_prompts, monkeypatch):
     pipe = models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH)
     prompts = prompt_files.load_prompts(edit_prompts)
@@ -173,6 +177,7 @@ def test_precompute_encodes_the_negative_on_each_image_and_no_bare_one(edit_dir,
     assert enc.cond(prompts).neg_embeds.shape[0] == 3
 
 
+@pytest.mark.slow
 def test_the_library_path_refuses_text_prompts_and_mixed_sizes(edit_dir, edit_prompts, tmp_path):
     enc = common.PromptEncoder(models.load_pipeline(edit_dir, CPU, height=HEIGHT, width=WIDTH))
     with pytest.raises(common.UserError, match="QwenImageEditPipeline edits an image: every prompt needs one"):
@@ -316,6 +321,7 @@ def test_a_resumed_run_on_image_prompts_ends_bit_identical(edit_dir, edit_prompt
 ALGOS = ["awm", "dgpo", "dpo", "elbo_grpo", "grpo", "nft"]  # crd: above
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algorithm_trains_on_image_prompts(algo, edit_dir, edit_prompts, tmp_path):
     run_dir, _ = train(algo, edit_dir, edit_prompts, tmp_path)

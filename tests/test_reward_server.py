@@ -161,6 +161,7 @@ def misbehaving():
 # ----------------------------------------------------------------------------------------------------------------
 # the client against the server, in this process
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_served_scores_equal_local(servers):
     """Through the server: OCR and JPEG (which quantise to 8 bits themselves) give the local scores bit for bit on
     float images; `shapes_clean` (float pixels) gives the local scores of the images rounded to 8 bits."""
@@ -244,6 +245,7 @@ def test_garbage_answers_are_one_line(misbehaving, name, message, monkeypatch):
         fn(torch.rand(4, 3, 8, 8), ["a red circle"] * 4)
 
 
+@pytest.mark.slow
 def test_down_or_foreign_server_is_one_line(misbehaving):
     url = f"http://127.0.0.1:{free_port()}/ocr"
     with pytest.raises(UserError, match=r"ConnectionRefusedError.*\(3 tries\); is `python -m rewards.server` running"):
@@ -519,6 +521,7 @@ ECHO = "ECHO" * 1000  # input that neither the answer nor the log may repeat
 SCORE = json.dumps({"prompts": ["a dog"], "images": remote.png_base64(torch.zeros(1, 3, 8, 8))})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path, body, headers, status, message",
     [
@@ -659,6 +662,7 @@ def test_two_servers_combine_like_local_rewards(aggregation, servers, tmp_path):
     assert scalars(served) == logged
 
 
+@pytest.mark.slow
 def test_server_down_stops_the_run_with_one_line(misbehaving, tmp_path):
     """A server that is not there: one line before the model loads, nothing written. A server that answers HTML once
     the run trains: one line, and no checkpoint of the half-scored epoch."""
@@ -716,6 +720,7 @@ def test_server_killed_mid_run_then_resume_is_exact(servers, tmp_path):
     assert_same_state(checkpoints.load_checkpoint(local), checkpoints.load_checkpoint(run_dir), "grpo")
 
 
+@pytest.mark.slow
 def test_server_bad_inputs_are_one_line(servers):
     """An unknown reward, a reward named twice, a port in use: one line, exit code 2, before any model loads."""
     port = servers().rsplit(":", 1)[1]

@@ -360,6 +360,7 @@ def test_a_served_reward_is_not_given_to_a_local_run(run_copy, fake_server, caps
     assert snapshot(run_copy) == before and server.requests == [] and not no_model_load
 
 
+@pytest.mark.slow
 def test_a_checkpoint_never_sets_an_eval_reward_server(run_copy, fake_server, capsys):
     """A state.pt edited to name an --eval-rewards server: the resume drops it with a note and never calls it; given
     again on the command line, it is used."""

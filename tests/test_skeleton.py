@@ -205,6 +205,7 @@ def test_the_shared_modules_have_no_import_cycle_and_stay_under_800_lines():
     assert run >= {"harness.checkpoints"} and "harness.run" not in below
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ALGOS, ids=lambda p: p.stem)
 def test_help_fits_on_110_lines_at_120_columns(path):
     """`--help` is read, not searched: at most 110 lines in a 120-column terminal. tyro puts a flag whose invocation is

@@ -34,6 +34,7 @@ def test_splits_are_disjoint_deterministic_and_match_the_shipped_files():
     assert prompt_files.load_prompts(str(TEXT_TRAIN)) == [p for _, p, _ in train]
 
 
+@pytest.mark.slow
 @needs_ocr
 def test_renderings_are_read_back(reward):
     """The pretraining images themselves score ~1: the task is solvable at 64 px and the reward is not the limit."""
@@ -73,6 +74,7 @@ def base_samples():
     return images, prompts
 
 
+@pytest.mark.slow
 @needs_ocr
 def test_base_model_reads_poorly_but_follows_the_prompt(reward, base_samples):
     images, prompts = base_samples
@@ -130,6 +132,7 @@ def test_rl_raises_the_ocr_score(tmp_path):
     assert after - before > 0.1, (before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True])
 def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
     """`build_tiny_shapes.py --no-autocast` (8x faster on a CPU without native bf16) runs the forwards in fp32, and its
@@ -156,6 +159,7 @@ def test_recipe_trains_the_autoencoder_in_fp32_without_autocast(autocast):
         assert float(logged[0].split("loss ")[1].split()[0]) == pytest.approx(expected, abs=1e-4)  # logged to 4 decimals
 
 
+@pytest.mark.slow
 @needs_ocr
 def test_recipe_reuses_an_autoencoder_and_leaves_the_prompt_files_alone(tmp_path):
     """`--vae-from` builds a pipeline whose autoencoder (weights, latent shift and scale) is the given folder's, so two

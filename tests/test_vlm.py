@@ -238,6 +238,7 @@ def test_registry_and_errors(judge, monkeypatch, tmp_path):
     assert "\n" not in str(err.value) and vlm.MODEL_ENV in str(err.value)
 
 
+@pytest.mark.slow
 def test_served_judge_equals_the_local_one(default_judge, monkeypatch):
     """`python -m rewards.server --reward vlm` scores what the local reward scores (images travel as PNGs, which hold
     these uint8-grid images exactly)."""
@@ -257,6 +258,7 @@ def test_served_judge_equals_the_local_one(default_judge, monkeypatch):
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_tiny_training_run_on_the_judge(default_judge, tmp_path):
     """One GRPO epoch of the tiny model on the judge, as a user runs it: the reward is logged and the eval scores it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
