@@ -646,6 +646,8 @@ def test_fresh_run_names_are_unique(files):
 
 INTERRUPT = """
 import os, signal, sys, time
+# Ctrl-C as in a terminal: a process that inherits SIGINT ignored (as from some test harnesses) never raises on it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path[:0] = [{repo!r}, {repo!r} + "/algos"]
 import common, nft, tyro
 from harness import run
