@@ -45,6 +45,14 @@ class DPOArgs:
     """mean of the logit-normal u"""
     logit_std: float = 1.0
     """std of the logit-normal u"""
+    ref_update_every: int = 0
+    """the reference takes the current weights every N optimizer steps (flow_grpo's online DPO); 0: the frozen base"""
+    sft_weight: float = 0.0
+    """lambda of the chosen images' flow-matching loss added to DPO's (RPO)"""
+    kl_beta: float = 0.0
+    """weight of ||v - v_base||^2, the velocity KL to the frozen base"""
+    kl_cfg: float = 1.0
+    """CFG scale of the base velocity the KL anchors to"""
 
 
 @dataclass
@@ -114,6 +122,18 @@ def train_sigma(generator: torch.Generator, grid: torch.Tensor, sampling: str, m
     return float(grid[min(int(u * len(grid)), len(grid) - 1)])
 
 
+def group_noise(samples, unit: int, shape, key: tuple, grid, sampling: str, mean: float, std: float):
+    """(sigma [n], eps [n, *shape]) for the global sample indices `samples`: one draw per group (sample s is in group
+    s // unit), sigma (train_sigma) then eps from common.keyed_generator(*key, group), shared by the group's images,
+    so any subset of a group (a rank's, a micro-batch's) gets the same draw."""
+    draws = {}
+    for g in sorted({s // unit for s in samples}):
+        gen = common.keyed_generator(*key, g)
+        draws[g] = (train_sigma(gen, grid, sampling, mean, std), torch.randn(tuple(shape), generator=gen))
+    sigma = torch.tensor([draws[s // unit][0] for s in samples])
+    return sigma, torch.stack([draws[s // unit][1] for s in samples])
+
+
 def draw_lines(num_lines: int, count: int, generator: torch.Generator) -> list:
     """`count` line indices of the pairs file, without replacement, cycling when the file is shorter (group_prompts)."""
     idx = []
@@ -128,6 +148,8 @@ def main(args: Args):
     device = dist.device
 
     # ALGO LOGIC: flag checks and the offline pairs file, read before the model loads so a bad one fails first
+    if args.ref_update_every < 0:
+        raise common.UserError(f"--ref-update-every {args.ref_update_every}: must be >= 0 (0: the frozen base)")
     if args.dpo_beta <= 0 or args.logit_std <= 0:
         name, value = ("dpo-beta", args.dpo_beta) if args.dpo_beta <= 0 else ("logit-std", args.logit_std)
         raise common.UserError(f"--{name} {value}: must be > 0")
@@ -157,7 +179,9 @@ def main(args: Args):
 
     # ALGO LOGIC: the reference is the frozen base (models.reference_model), so no snapshot is kept; the offline images
     # are encoded once and scored once (their reward is what charts/reward_* shows offline), then their pixels dropped
-    snapshots = {}
+    # (--ref-update-every: the reference is a snapshot of the weights instead, renewed every N steps, saved with them)
+    snapshots = {"reference": [p.detach().clone() for p in params]} if args.ref_update_every else {}
+    ref_step = -1  # the step the reference last took the weights at (none yet in this process: a resume takes them again)
     train_grid = pipe.sigmas(1000, device)[:-1].cpu()  # the shifted 1000-step schedule the training sigmas come from
     sft = offline is not None and offline[2] is None
     if offline is not None:
@@ -253,7 +277,14 @@ def main(args: Args):
             stats = (
                 {"policy_loss": [], "grad_norm": []}
                 if sft
-                else {"policy_loss": [], "grad_norm": [], "implicit_acc": [], "margin": []}
+                else {
+                    "policy_loss": [],
+                    "grad_norm": [],
+                    "implicit_acc": [],
+                    "margin": [],
+                    "chosen_error": [],
+                    "rejected_error": [],
+                }
             )
             per_step = micro_per_step * args.num_train_timesteps
             position = {int(j): i for i, j in enumerate(local_idx)}  # global sample index -> row of this rank's x0
@@ -264,42 +295,74 @@ def main(args: Args):
                 # the micro-batch's pairs (whole groups or pairs, so none straddles two); SFT: each sample alone
                 rows = [(s,) for s in sorted(mine)] if pairs is None else [tuple(p) for p in pairs.tolist() if p[0] in mine]
                 for i in range(args.num_train_timesteps):
+                    if snapshots and step % args.ref_update_every == 0 and step != ref_step:
+                        with torch.no_grad():  # the reference takes the weights every N steps (TR-DPO's hard update)
+                            for r, p in zip(snapshots["reference"], params):
+                                r.copy_(p)
+                        ref_step = step
                     if not rows:  # only ties here: a zero gradient keeps every rank's optimizer step in lockstep
                         loss = sum(p.sum() for p in params) * 0.0
                         (loss / per_step).backward()
                     else:
-                        # one (sigma, eps) per pair, shared by its two images (the paper's x_t^w and x_t^l), keyed by
-                        # the pair's global samples: any rank count and a resume draw the same ones
-                        gens = [common.keyed_generator(args.seed, epoch, "train", i, *row) for row in rows]
-                        sig = torch.tensor(
-                            [train_sigma(g, train_grid, args.timestep_sampling, args.logit_mean, args.logit_std) for g in gens]
+                        # one (sigma, eps) per group (online: a prompt's K rollouts; offline: a pair; SFT: an image),
+                        # shared by every image in it: a pair's two images get the same noise (the paper's x_t^w and
+                        # x_t^l), and each image's errors are computed once however many pairs it is in (K forwards
+                        # for --pairs-per-group all's K(K-1)/2 pairs). Keyed by the group's global index: any rank
+                        # count and a resume draw the same ones
+                        unit = 1 if pairs is None else (2 if args.pairs else args.group_size)
+                        used = sorted({s for row in rows for s in row})  # the global samples these pairs hold
+                        sigma, noise = group_noise(
+                            used,
+                            unit,
+                            x0.shape[1:],
+                            (args.seed, epoch, "train", i),
+                            train_grid,
+                            args.timestep_sampling,
+                            args.logit_mean,
+                            args.logit_std,
                         )
-                        eps = common.randn((len(rows), *x0.shape[1:]), gens)
-                        sides = len(rows[0])  # 2: (chosen, rejected); 1: SFT
-                        idx = [position[row[side]] for side in range(sides) for row in rows]  # [chosen..., rejected...]
+                        sigma, noise = sigma.to(device), noise.to(device)
+                        idx = [position[s] for s in used]
                         x, mb_cond = x0[idx], cond[idx]
-                        sigma = sig.repeat(sides).to(device)
-                        noise = eps.repeat(sides, *[1] * (eps.dim() - 1)).to(device)
                         sb = sigma.view(-1, *[1] * (x.dim() - 1))  # broadcast over the latent dims
                         xt = (1 - sb) * x + sb * noise
                         if pairs is not None:
                             with (
                                 torch.no_grad(),
                                 common.autocast(device, args.mixed_precision),
-                                models.reference_model(transformer),
+                                models.swapped_weights(params, snapshots["reference"])
+                                if snapshots
+                                else models.reference_model(transformer),
                             ):
                                 err_ref = fm_error(common.velocity(transformer, xt, sigma, mb_cond), noise - x)
+                        if args.kl_beta > 0:
+                            with (
+                                torch.no_grad(),
+                                common.autocast(device, args.mixed_precision),
+                                models.reference_model(transformer),
+                            ):
+                                v_base = common.velocity(transformer, xt, sigma, mb_cond, args.kl_cfg)
                         with common.autocast(device, args.mixed_precision):
                             v = common.velocity(transformer, xt, sigma, mb_cond)  # training forwards: no CFG
                         err = fm_error(v, noise - x)
                         if pairs is None:  # SFT: the plain flow-matching loss on the chosen images
                             policy_loss = err.mean()
                         else:
-                            n = len(rows)
-                            pair_loss, z = dpo_loss(err[:n], err[n:], err_ref[:n], err_ref[n:], args.dpo_beta)
+                            row = {s: r for r, s in enumerate(used)}
+                            win = torch.tensor([row[a] for a, _ in rows])
+                            lose = torch.tensor([row[b] for _, b in rows])
+                            pair_loss, z = dpo_loss(err[win], err[lose], err_ref[win], err_ref[lose], args.dpo_beta)
                             policy_loss = pair_loss.mean()
+                            if args.sft_weight > 0:
+                                policy_loss = policy_loss + args.sft_weight * err[win].mean()
+                            if args.kl_beta > 0:
+                                policy_loss = policy_loss + args.kl_beta * (v.float() - v_base.float()).pow(2).mean()
                             stats["implicit_acc"].append((z > 0).float().mean().item())
                             stats["margin"].append(z.mean().item())
+                            # each side's error against the base's: the chosen one falling and the rejected one rising
+                            # is the method working; both moving together is the model drifting on its own samples
+                            stats["chosen_error"].append((err[win] - err_ref[win]).mean().item())
+                            stats["rejected_error"].append((err[lose] - err_ref[lose]).mean().item())
                         (policy_loss / per_step).backward()
                         stats["policy_loss"].append(policy_loss.item())
                     # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it

@@ -3,9 +3,11 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -251,6 +253,52 @@ class ForkServer:
             status = json.loads(self.proc.stdout.readline())["status"]
             return os.waitstatus_to_exitcode(status), out.read_text(), err.read_text(), timed_out
 
+    def run_ranks(self, argv, nproc: int, cwd, timeout):
+        """`torchrun --standalone --nproc-per-node nproc python *argv` as this server's children: each rank gets the
+        variables torchrun gives it (its agent's store aside: rank 0 hosts the rendezvous, as without an agent), and
+        as torchrun does, the first rank to fail ends the others. (returncode: the first failure's or 0, the ranks'
+        stdout and stderr in rank order, timed out)."""
+        with socket.socket() as sock:  # a free port, as torchrun --standalone picks one
+            sock.bind(("localhost", 0))
+            port = sock.getsockname()[1]
+        common = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
+        common.update(LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default")
+        common.update(ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        common.update(TORCHELASTIC_RUN_ID="tests", TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+        common.update(TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+        with tempfile.TemporaryDirectory() as tmp:
+            files, pids = [], []
+            for rank in range(nproc):
+                out, err = Path(tmp, f"out{rank}"), Path(tmp, f"err{rank}")
+                env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+                pids.append(self.ask({"run": argv, "cwd": str(cwd), "out": str(out), "err": str(err), "env": env})["pid"])
+                files.append((out, err))
+            deadline, returncode, timed_out, running = time.monotonic() + timeout, 0, False, set(pids)
+            while running:
+                self.proc.stdin.write(json.dumps({"wait_any": 1}) + "\n")
+                self.proc.stdin.flush()
+                if not select.select([self.proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+                    timed_out = True
+                    for pid in running:  # a hang: every rank's group, as run_script kills torchrun's
+                        kill_pid_group(pid)
+                    select.select([self.proc.stdout], [], [])
+                answer = json.loads(self.proc.stdout.readline())
+                running.discard(answer["pid"])
+                code = os.waitstatus_to_exitcode(answer["status"])
+                if code and not returncode:
+                    returncode = code
+                    for pid in running:  # torchrun stops the other ranks when one fails
+                        kill_pid_group(pid)
+            outs = [(o.read_text(), e.read_text()) for o, e in files]
+        return returncode, "".join(o for o, _ in outs), "".join(e for _, e in outs), timed_out
+
+
+def kill_pid_group(pid: int):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
 
 _fork_servers: dict = {}  # env_key -> ForkServer, oldest first
 _requests: dict = {}  # env_key -> script runs asked for under it
@@ -262,7 +310,7 @@ def env_key(env) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
 
 
-def fork_server(argv, env) -> "ForkServer | None":
+def fork_server(argv, env, runs: int = 1) -> "ForkServer | None":
     """The fork server for a `python <argv>` run under `env` (None: this process's), or None where the run takes a
     fresh interpreter: not a script; CLEANFLOW_TEST_FORK=0 (every script run a fresh interpreter, for a doubt about
     the server: tests/test_forkserver.py compares its children with fresh interpreters); or the first run under this
@@ -272,7 +320,7 @@ def fork_server(argv, env) -> "ForkServer | None":
     if os.environ.get("CLEANFLOW_TEST_FORK") == "0" or not str(argv[0]).endswith(".py"):
         return None
     key = env_key(os.environ if env is None else env)
-    _requests[key] = _requests.get(key, 0) + 1
+    _requests[key] = _requests.get(key, 0) + runs
     if key not in _fork_servers:
         if _requests[key] < 2:
             return None
@@ -284,16 +332,40 @@ def fork_server(argv, env) -> "ForkServer | None":
     return server if server.ready and server.proc.poll() is None else None
 
 
-def run_script(argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, env=None, python: bool = True):
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]  # `python` + this + a script
+
+
+def torchrun_ranks(argv) -> "int | None":
+    """N for `TORCHRUN`-like argv (`-m torch.distributed.run --standalone --nproc-per-node N x.py ...`), else None."""
+    head = [str(a) for a in argv[: len(TORCHRUN)]]
+    if head[:4] == TORCHRUN[:4] and len(argv) > len(TORCHRUN) and str(argv[len(TORCHRUN)]).endswith(".py"):
+        return int(head[4])
+    return None
+
+
+def run_script(
+    argv, *, timeout: float = HANG_S, check: bool = True, cwd=REPO, env=None, python: bool = True, real_torchrun=False
+):
     """Run a command (an argument list, no shell; `python` prefixes sys.executable) in its own process group; a
-    script (`python x.py ...`) as a fork server's child where one serves its environment (`fork_server`).
+    script (`python x.py ...`) as a fork server's child where one serves its environment (`fork_server`), and
+    `python *TORCHRUN x.py ...` as that many children with the variables torchrun gives its ranks
+    (`ForkServer.run_ranks`: ~18 s of CPU a launch less, torchrun's and each rank's imports), unless `real_torchrun`
+    (the tests that keep torchrun itself honest).
 
     On a timeout the whole group is killed (a script, torchrun and its ranks alike: no orphan keeps running) and the
     test fails saying so. With `check`, a non-zero exit fails the test with the command and the output's tail."""
-    server = fork_server(argv, env) if python else None
+    nproc = torchrun_ranks(argv) if python and not real_torchrun else None
+    if nproc:  # torchrun's ranks as a fork server's children, with the thread count torchrun sets where none is
+        env = {"OMP_NUM_THREADS": "1", **(os.environ if env is None else env)}
+        server = fork_server(argv[len(TORCHRUN) :], env, runs=nproc)
+    else:
+        server = fork_server(argv, env) if python else None
     argv = [sys.executable, *map(str, argv)] if python else [str(a) for a in argv]
     if server is not None:
-        returncode, out, err, timed_out = server.run(argv[1:], cwd, timeout)
+        if nproc:
+            returncode, out, err, timed_out = server.run_ranks(argv[1 + len(TORCHRUN) :], nproc, cwd, timeout)
+        else:
+            returncode, out, err, timed_out = server.run(argv[1:], cwd, timeout)
         if timed_out:
             pytest.fail(
                 f"timed out after {timeout:.0f} s, process group killed: {' '.join(argv)}\n{out[-1000:]}\n{err[-2000:]}"

@@ -12,8 +12,13 @@ a traceback and 1 for an exception, atexit handlers, buffered output flushed. No
 imported here, so each child imports them afresh. The server holds no thread (checked before it says ready): a child
 forked from a process with OpenMP threads could hang.
 
-Protocol, one JSON line each way on stdin/stdout: {"run": [script, *args], "cwd": ..., "out": path, "err": path} ->
-{"pid": N}; {"wait": N} -> {"status": waitpid status}. Anything else, or EOF, ends the server.
+Ranks (conftest.run_script's stand-in for `torchrun --standalone --nproc-per-node N`): a request may carry "env",
+variables the child sets before the script runs: the ones torchrun gives each rank (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, ...), which torch reads when the process group starts, never at import.
+
+Protocol, one JSON line each way on stdin/stdout: {"run": [script, *args], "cwd": ..., "out": path, "err": path,
+"env": {...}} -> {"pid": N}; {"wait": N} -> {"status": waitpid status}; {"wait_any": 1} -> {"pid": N, "status": ...},
+the next child to end. Anything else, or EOF, ends the server.
 """
 
 import importlib
@@ -114,6 +119,7 @@ def child(request: dict, import_stderr: bytes):
     for fd in (null, out, err):
         os.close(fd)
     os.write(2, import_stderr)
+    os.environ.update(request.get("env", {}))  # a rank's variables (RANK, MASTER_PORT, ...): read at run time only
     os.chdir(request["cwd"])
     script, *args = request["run"]
     sys.argv = [script, *args]
@@ -160,6 +166,9 @@ def main():
             answer = {"pid": pid}
         elif "wait" in request:
             answer = {"status": os.waitpid(request["wait"], 0)[1]}
+        elif "wait_any" in request:  # the next of this server's children to end (a rank of several)
+            pid, status = os.wait()
+            answer = {"pid": pid, "status": status}
         else:
             return
         sys.stdout.write(json.dumps(answer) + "\n")

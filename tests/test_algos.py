@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HANG_S, kernel_environ, kill_group, run_in_process, run_script, start_script
+from conftest import HANG_S, TORCHRUN, kernel_environ, kill_group, run_in_process, run_script, start_script
 
 import common
 from harness.checkpoints import load_checkpoint
@@ -29,7 +29,8 @@ FLAGS = {
     # MixGRPO's window moves each epoch (a resume must continue it) and TempFlow's weights scale the loss
     "grpo_variants": "--grad-steps-per-epoch 1 --num-sde-steps 1 --window-mode sliding --window-shift 1 1 --noise-weight 2.25",
     "dgpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --off-policy-after 1 --ema-ref-decay-ramp 0.1",
-    "dpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --pairs-per-group all",
+    # the reference renewed each step: a snapshot that a resume and the ranks must carry
+    "dpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --pairs-per-group all --ref-update-every 1",
     "elbo_grpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01",
     "nft": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01 --old-decay-ramp 0.3",
 }
@@ -196,9 +197,9 @@ def test_two_ranks_match_one_process(algo, kernel, reference, shared_prompts, tm
     is the reference run, compared at its epoch-2 checkpoint. CRD (its default clip is active here) also under the
     avx2 and default kernels, whose rounding differs from this CPU's (conftest's KERNELS)."""
     a = load_checkpoint(reference(algo, kernel).dir / "checkpoints" / "epoch_000002")
-    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     two = script_argv(algo, shared_prompts, tmp_path / "two", "--num-epochs", 2)
-    out = run_script([*argv, *two], env=kernel_environ(kernel))
+    # torchrun itself for CRD on this CPU's kernels; the other launches run its ranks as fork-server children
+    out = run_script([*TORCHRUN, *two], env=kernel_environ(kernel), real_torchrun=(algo, kernel) == ("crd", "native"))
     assert out.stdout.count("final eval") == 1  # only rank 0 evaluates, prints and writes
     (two_dir,) = (tmp_path / "two").iterdir()
     assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1

@@ -149,6 +149,7 @@ SPECIFIC = [
     ("dpo", "--micro-batch 2", "must hold whole groups"),
     ("dpo", "--dpo-beta 0", "--dpo-beta 0.0: must be > 0"),
     ("dpo", "--logit-std -1", "--logit-std -1.0: must be > 0"),
+    ("dpo", "--ref-update-every -1", "--ref-update-every -1: must be >= 0 (0: the frozen base)"),
     ("dpo", "--pairs {tmp}/missing.jsonl", "--pairs {tmp}/missing.jsonl: cannot be read"),
     ("dgpo", "--num-train-timesteps 11", "--num-train-timesteps 11: only"),
     ("dgpo", "--off-policy-after=-5", "--off-policy-after -5: must be >= 0"),

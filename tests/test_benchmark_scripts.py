@@ -747,3 +747,40 @@ def test_the_learning_figure_reads_three_seeds_of_every_algorithm_from_one_base(
         assert exact.shape == (3, len(images)) and images[0] == 0 and len(images) >= 3, (setting, exact.shape)
         firsts |= {round(float(v), 6) for v in exact[:, 0]}
     assert len(firsts) == 1, firsts
+
+
+def test_pairs_from_base_writes_each_prompts_best_and_worst_and_refuses_what_exists(tmp_path, capsys):
+    """benchmark/pairs_from_base.py: a pair per prompt whose samples differ, the best as chosen, the worst as rejected
+    (their rewards recomputed here from the written images, by the same reward), the SFT file with the chosen images
+    alone, both read by dpo.py's own pairs loader; an existing folder, or a bad flag, is one line, rc 2, nothing new."""
+    import torch
+
+    from benchmark import pairs_from_base
+    from harness import pair_files
+    from rewards import load_rewards
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares\na green triangle\n")
+    out = tmp_path / "pairs"
+    argv = [str(out), "--prompts", str(prompts), "--samples-per-prompt", "3", "--num-steps", "2"]
+    assert pairs_from_base.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    sft = [json.loads(line) for line in (out / "chosen.jsonl").read_text().splitlines()]
+    assert 1 <= len(rows) <= 3 and [r["chosen"] for r in rows] == [r["chosen"] for r in sft]
+    names, chosen, rejected = pair_files.load_pairs(out / "pairs.jsonl", 64, 64)
+    assert names == [r["prompt"] for r in rows] and rejected is not None
+    reward = load_rewards("shapes_clean", "cpu")
+    for side, images in (("chosen", chosen), ("rejected", rejected)):
+        pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+        rescored = reward.total(reward(pixels, names)).tolist()
+        assert rescored == pytest.approx([r["rewards"][0 if side == "chosen" else 1] for r in rows], abs=0.02)
+    assert all(r["rewards"][0] > r["rewards"][1] for r in rows)
+    assert pair_files.load_pairs(out / "chosen.jsonl", 64, 64)[2] is None  # SFT
+    assert pairs_from_base.best_and_worst(torch.tensor([1.0, 3.0, 2.0, 5.0, 5.0, 5.0]), 3) == [(1, 0), None]
+    before = sorted(tmp_path.rglob("*"))
+    capsys.readouterr()
+    for bad in (argv, [str(tmp_path / "new"), "--samples-per-prompt", "1"], [str(tmp_path / "new"), "--reward", "nope"]):
+        assert pairs_from_base.main(bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before

@@ -77,6 +77,25 @@ def test_train_sigma_indexes_the_grid_with_u():
             assert sigma == float(grid[min(int(u * 1000), 999)])
 
 
+def test_group_noise_is_one_keyed_draw_per_group_shared_by_its_images():
+    """Each group of `unit` consecutive samples gets one (sigma, eps): sigma from train_sigma, then eps, from the
+    generator keyed by (key, group), drawn here independently; any subset of the samples (a rank's, a micro-batch's)
+    gets the same rows, so every pair's two images share their noise (Eq. 14) however the batch is split."""
+    grid, key, shape = torch.linspace(1.0, 0.001, 1000), (3, 7, "train", 1), (2, 4, 4)
+    samples = [0, 3, 5, 8, 9, 15]
+    sigma, eps = dpo.group_noise(samples, 8, shape, key, grid, "logit-normal", 0.0, 1.0)
+    for row, s in enumerate(samples):
+        gen = common.keyed_generator(*key, s // 8)
+        u = torch.sigmoid(torch.randn(1, generator=gen))
+        assert sigma[row].item() == pytest.approx(float(grid[min(int(u * 1000), 999)]), abs=0)
+        assert torch.equal(eps[row], torch.randn(shape, generator=gen))
+    assert torch.equal(eps[0], eps[1]) and torch.equal(eps[3], eps[5]) and not torch.equal(eps[0], eps[3])
+    part_sigma, part_eps = dpo.group_noise([5, 15], 8, shape, key, grid, "logit-normal", 0.0, 1.0)
+    assert torch.equal(part_sigma, sigma[[2, 5]]) and torch.equal(part_eps, eps[[2, 5]])
+    one_sigma, one_eps = dpo.group_noise([0, 1], 1, shape, key, grid, "uniform", 0.0, 1.0)  # SFT: a sample alone
+    assert not torch.equal(one_eps[0], one_eps[1])
+
+
 def test_offline_lines_cycle_without_replacement():
     lines = dpo.draw_lines(3, 7, torch.Generator().manual_seed(0))
     assert sorted(lines[:3]) == sorted(lines[3:6]) == [0, 1, 2] and len(lines) == 7
@@ -302,8 +321,8 @@ def test_offline_dpo_on_edit_pairs_trains_kontext_on_each_lines_image(kontext_di
     with torch.no_grad():
         scenes = [flux_kontext.encode_image(pipe.pipe, prompt_files.image_pixels(pairs.parent / r["image"]))[0] for r in rows]
     assert not torch.equal(scenes[0], scenes[1])
-    for b, cond in calls:  # [chosen..., rejected...] of the micro-batch's pairs
-        chosen, rejected = cond.image[: b // 2], cond.image[b // 2 :]
+    for b, cond in calls:  # the micro-batch's samples in order: offline, pair i is samples (2i, 2i + 1)
+        chosen, rejected = cond.image[0::2], cond.image[1::2]
         assert torch.equal(chosen, rejected)
         for z in chosen:
             assert any(torch.allclose(z, s, atol=1e-6) for s in scenes)

@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-from conftest import ForkServer, kill_group
+from conftest import REPO, TORCHRUN, ForkServer, kill_group, run_script
 
 SCRIPTS = {
     "ends": "import sys\nprint('out', sys.argv[1:], __file__.endswith('s.py'), __name__)\n",
@@ -84,3 +85,43 @@ def test_a_hung_child_is_killed_with_its_group(server, tmp_path):
         __import__("time").sleep(0.1)
     else:
         pytest.fail("the script's own child outlived the kill")
+
+
+# what a rank sees of its launch: torchrun's variables (the port and the run's id aside), its thread count, and a gloo
+# process group that works; rank 1 prints second
+RANK_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(x)
+skip = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+torchrun = [k for k in os.environ if k.startswith(("TORCHELASTIC", "ROLE", "GROUP", "LOCAL_", "MASTER"))] + ["RANK"]
+seen = {k: os.environ[k] for k in sorted(torchrun) if k not in skip}
+dist.barrier()
+if dist.get_rank() == 1:
+    __import__("time").sleep(0.5)
+print(json.dumps([seen, os.environ["WORLD_SIZE"], torch.get_num_threads(), x.item(), sys.argv[1:]]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_as_children_see_what_torchrun_gives_its_ranks(tmp_path):
+    """conftest.run_script runs `python -m torch.distributed.run --standalone --nproc-per-node 2 x.py` as two fork-server
+    children (ForkServer.run_ranks): each sees torchrun's variables, thread count and a working process group, as
+    under torchrun itself; a rank that fails ends the launch with its code, the other rank stopped, as torchrun does."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    argv = [*TORCHRUN, script, "a"]
+    real = run_script(argv, real_torchrun=True, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    server = ForkServer({**os.environ, "OMP_NUM_THREADS": "1"})
+    code, out, err, timed_out = server.run_ranks([str(script), "a"], 2, REPO, 60)
+    assert (code, timed_out) == (0, False), err
+    assert out.splitlines() == real.stdout.splitlines() and len(out.splitlines()) == 2
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    code, out, err, timed_out = server.run_ranks([str(script)], 2, REPO, 60)
+    assert (code, timed_out) == (3, False) and time.monotonic() - start < 30
+    server.proc.stdin.close()

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, kernel_environ, run_script
+from conftest import REPO, TORCHRUN, kernel_environ, run_script
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_algos import assert_same_state, script_argv, write_prompts
@@ -25,8 +25,6 @@ from test_algos import assert_same_state, script_argv, write_prompts
 import common
 from harness.checkpoints import load_checkpoint
 from harness.export import LORA_WEIGHTS
-
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 # every test here but one starts torchrun's 2 ranks: the slow marker's "2-rank runs" (CI runs them all)
 pytestmark = pytest.mark.slow
@@ -78,14 +76,16 @@ def transformer_bytes() -> float:
     return sum(p.numel() * p.element_size() for p in transformer.parameters()) / 2**20
 
 
+# Under the other kernels (conftest's KERNELS), what a rank computes is test_algos' CRD runs on 2 ranks (the kernels'
+# rounding reaches the weights through CRD's active clip) and what FSDP adds, the norm and clip of sharded
+# gradients, is test_clip_grad_norm_of_fsdp_shards_equals_one_process's under each kernel: gloo's sums do not depend
+# on the kernel, so an FSDP run under each kernel would repeat both (it did, at 90 s a pair)
 @pytest.mark.parametrize(
     "algo, kernel",
     [
         ("grpo", "native"),
         ("nft", "native"),
         *(pytest.param(a, "native", marks=pytest.mark.slow) for a in ("awm", "crd", "dgpo", "dpo", "elbo_grpo")),
-        # crd: the algorithm whose default clip (1.0) is active here, so the norm's rounding reaches the weights
-        *(pytest.param("crd", k, marks=pytest.mark.slow) for k in ("avx2", "default")),
     ],
 )
 def test_two_sharded_ranks_match_one_process(algo, kernel, runs):
@@ -133,9 +133,10 @@ def test_sharded_resume_is_exact_on_two_ranks_and_on_one(runs, tmp_path):
         killed = run_dir / "checkpoints" / ".tmp-epoch_000002.123" / "shards"
         killed.mkdir(parents=True)
         (killed / "__0_0.distcp").write_bytes(b"half a shard")
-        run_script(
+        run_script(  # torchrun itself here (elsewhere its ranks run as fork-server children: conftest.run_script)
             [*launcher, "algos/grpo.py", "--resume", run_dir / "checkpoints" / "epoch_000001", "--num-epochs", 2],
             env=kernel_environ("native"),
+            real_torchrun=True,
         )
         assert not list((run_dir / "checkpoints").glob(".tmp-*"))
         c = load_checkpoint(run_dir, full=True)
@@ -145,8 +146,7 @@ def test_sharded_resume_is_exact_on_two_ranks_and_on_one(runs, tmp_path):
         assert all(torch.equal(tensors[k], v) for k, v in lora_export(r.two)[0].items())
 
 
-@pytest.mark.parametrize("kernel", ["native", *(pytest.param(k, marks=pytest.mark.slow) for k in ("avx2", "default"))])
-def test_clipped_steps_on_two_sharded_ranks_equal_one_process(kernel, prompts, tmp_path):
+def test_clipped_steps_on_two_sharded_ranks_equal_one_process(prompts, tmp_path):
     """--max-grad-norm small enough to clip every step: 2 sharded ranks log the same norms as one process and end
     with the same weights, bit for bit. The norm is the global one (a rank's own shards alone would give about
     1/sqrt(2) of it and clip every weight ~40% differently). torch's clip_grad_norm_ sums the squares per shard and
@@ -154,7 +154,8 @@ def test_clipped_steps_on_two_sharded_ranks_equal_one_process(kernel, prompts, t
     gradient with it (what failed here before `distributed.clip_grad_norm`)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    flags, env = ["--num-epochs", 2, "--max-grad-norm", 0.01, "--eval-every", 10], kernel_environ(kernel)
+    # this CPU's kernels; the clip under the others: test_clip_grad_norm_of_fsdp_shards_equals_one_process
+    flags, env = ["--num-epochs", 2, "--max-grad-norm", 0.01, "--eval-every", 10], kernel_environ("native")
     run_script(script_argv("nft", prompts, tmp_path / "one", *flags), env=env)
     run_script([*TORCHRUN, *script_argv("nft", prompts, tmp_path / "two", *flags, "--fsdp")], env=env)
     a, b = load_checkpoint(only(tmp_path / "one")), load_checkpoint(only(tmp_path / "two"), full=True)
