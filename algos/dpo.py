@@ -48,7 +48,7 @@ class DPOArgs:
     ref_update_every: int = 0
     """the reference takes the current weights every N optimizer steps (flow_grpo's online DPO); 0: the frozen base"""
     sft_weight: float = 0.0
-    """lambda of the chosen images' flow-matching loss added to DPO's (RPO)"""
+    """lambda of the chosen images' flow-matching loss added to DPO's (RPO, arXiv 2404.19733)"""
     kl_beta: float = 0.0
     """weight of ||v - v_base||^2, the velocity KL to the frozen base"""
     kl_cfg: float = 1.0
@@ -89,6 +89,16 @@ def dpo_loss(err_w, err_l, err_ref_w, err_ref_l, beta: float):
     z > 0 when the policy lowered its error on w, relative to the base, more than on l. Returns (loss [P], z [P])."""
     z = -beta * ((err_w - err_ref_w) - (err_l - err_ref_l))
     return -F.logsigmoid(z), z.detach()
+
+
+def regularizer(err_w, v, v_base, sft_weight: float, kl_beta: float) -> torch.Tensor:
+    """What the follow-ups add to Eq. (14): sft_weight x the chosen images' flow-matching loss (RPO, Pang et al. 2024,
+    arXiv 2404.19733: DPO + the chosen answer's NLL) + kl_beta x mean ||v - v_base||^2, the velocity form of the KL to
+    the base (Flow-GRPO's Eq. 5 and CRD's anchor; v_base at --kl-cfg), each mean over the micro-batch."""
+    out = sft_weight * err_w.mean()
+    if v_base is not None:
+        out = out + kl_beta * (v.float() - v_base.float()).pow(2).mean()
+    return out
 
 
 def select_pairs(rewards: torch.Tensor, group_size: int, mode: str) -> torch.Tensor:
@@ -353,10 +363,11 @@ def main(args: Args):
                             lose = torch.tensor([row[b] for _, b in rows])
                             pair_loss, z = dpo_loss(err[win], err[lose], err_ref[win], err_ref[lose], args.dpo_beta)
                             policy_loss = pair_loss.mean()
-                            if args.sft_weight > 0:
-                                policy_loss = policy_loss + args.sft_weight * err[win].mean()
-                            if args.kl_beta > 0:
-                                policy_loss = policy_loss + args.kl_beta * (v.float() - v_base.float()).pow(2).mean()
+                            if args.sft_weight > 0 or args.kl_beta > 0:
+                                reg = regularizer(
+                                    err[win], v, v_base if args.kl_beta > 0 else None, args.sft_weight, args.kl_beta
+                                )
+                                policy_loss = policy_loss + reg
                             stats["implicit_acc"].append((z > 0).float().mean().item())
                             stats["margin"].append(z.mean().item())
                             # each side's error against the base's: the chosen one falling and the rejected one rising

@@ -85,6 +85,24 @@ SETTINGS = {
     "dpo_full": ("dpo", ["--full-finetune"]),
     # every ordered pair of a group (28 at K=8) instead of best vs worst: on 4 tiny-edit instructions only this one learns
     "dpo_full_all_pairs": ("dpo", ["--full-finetune", "--pairs-per-group", "all"]),
+    # issue dpo-learns (results/convergence/dpo_learns/): each group's images share one noise from c9989c4 on, so every
+    # pair of --pairs-per-group all costs K forwards a group; then the reference renewed every 2 steps (TR-DPO), and
+    # what the follow-ups add on top: RPO's SFT term, the velocity KL to the base (at CFG 1 or CRD's 4.5)
+    "dpo_all": ("dpo", ["--full-finetune", "--pairs-per-group", "all"]),
+    "dpo_all_b500": ("dpo", ["--full-finetune", "--pairs-per-group", "all", "--dpo-beta", "500"]),
+    **{
+        f"dpo_all_b{b}_ref2{name}": (
+            "dpo",
+            ["--full-finetune", "--pairs-per-group", "all", "--dpo-beta", b, "--ref-update-every", "2", *extra],
+        )
+        for b, name, extra in [
+            ("500", "", []),
+            ("5000", "", []),
+            ("500", "_sft1", ["--sft-weight", "1"]),
+            ("500", "_kl0.1", ["--kl-beta", "0.1"]),
+            ("500", "_kl1_cfg4.5", ["--kl-beta", "1", "--kl-cfg", "4.5"]),
+        ]
+    },
     # lr 1e-4 was ELBO-GRPO's default until leg 15: pinned so that these names remake their committed rows
     "elbo_grpo_full": ("elbo_grpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     "elbo_grpo_full_lr3e-5": ("elbo_grpo", ["--full-finetune", "--learning-rate", "3e-5"]),

@@ -34,6 +34,8 @@ ROWS = [
     ("tiny-shapes", "dgpo", "shapes_clean/rescore32", "dgpo", None),
     ("tiny-shapes", "nft", "shapes_clean/rescore32", "nft", None),
     ("tiny-shapes", "dpo", "convergence/dpo_elbo", "dpo_full", None),
+    # the established fixes together (issue dpo-learns): every pair sharing a group's noise, TR-DPO's reference renewal
+    ("tiny-shapes", "dpo (all pairs, beta 500, reference every 2 steps)", "convergence/dpo_learns", "dpo_all_b500_ref2", None),
     ("tiny-shapes", "elbo_grpo", "convergence/dpo_elbo", "elbo_grpo_full_lr3e-5", None),
     ("tiny-shapes", "awm", "convergence/awm_kl", "awm_full_kl0.1_lr1e-4", None),  # KL 0.1, the default since leg 16
     ("tiny-shapes", "crd", "convergence/rescore32", "crd_full_lr1e-4", "convergence/leg2/crd_full_lr1e-4__s1"),

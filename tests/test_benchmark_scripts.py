@@ -749,6 +749,7 @@ def test_the_learning_figure_reads_three_seeds_of_every_algorithm_from_one_base(
     assert len(firsts) == 1, firsts
 
 
+@pytest.mark.slow
 def test_pairs_from_base_writes_each_prompts_best_and_worst_and_refuses_what_exists(tmp_path, capsys):
     """benchmark/pairs_from_base.py: a pair per prompt whose samples differ, the best as chosen, the worst as rejected
     (their rewards recomputed here from the written images, by the same reward), the SFT file with the chosen images

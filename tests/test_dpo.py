@@ -96,6 +96,15 @@ def test_group_noise_is_one_keyed_draw_per_group_shared_by_its_images():
     assert not torch.equal(one_eps[0], one_eps[1])
 
 
+def test_regularizer_matches_numpy():
+    """RPO's chosen-image term and the velocity KL to the base, against numpy; without a base velocity no KL."""
+    g = torch.Generator().manual_seed(0)
+    err_w, v, v_base = torch.rand(5, generator=g), torch.randn(4, 2, 3, 3, generator=g), torch.randn(4, 2, 3, 3, generator=g)
+    expected = 0.7 * err_w.numpy().mean() + 0.3 * ((v.numpy() - v_base.numpy()) ** 2).mean()
+    assert dpo.regularizer(err_w, v, v_base, 0.7, 0.3).item() == pytest.approx(expected, rel=1e-6)
+    assert dpo.regularizer(err_w, v, None, 0.7, 0.3).item() == pytest.approx(0.7 * err_w.numpy().mean(), rel=1e-6)
+
+
 def test_offline_lines_cycle_without_replacement():
     lines = dpo.draw_lines(3, 7, torch.Generator().manual_seed(0))
     assert sorted(lines[:3]) == sorted(lines[3:6]) == [0, 1, 2] and len(lines) == 7
