@@ -67,6 +67,8 @@ FF = ["--lora-targets", *ATTN, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.pr
 STEPS8 = ["--grad-steps-per-epoch", "8", "--micro-batch", "8"]
 
 # name -> (algorithm file, flags beyond its defaults). Every setting tried stays here, with its numbers in the results.
+OPD_TEACHERS = [f"assets/opd/teachers/{d}" for d in ("attr", "rest")]  # the two teachers above, seed 1
+OPD_PROMPTS = [f"assets/opd/{d}_train.jsonl" for d in ("attr", "rest")]
 SETTINGS = {
     "crd": ("crd", []),
     "crd_kl0.1": ("crd", ["--kl-beta", "0.1"]),
@@ -133,6 +135,35 @@ SETTINGS = {
     # every transformer weight instead of a LoRA: is the LoRA's capacity the plateau?
     "crd_full_lr1e-4": ("crd", ["--full-finetune", "--learning-rate", "1e-4"]),
     "crd_full_lr3e-4": ("crd", ["--full-finetune", "--learning-rate", "3e-4"]),
+    # DiffusionOPD (issue few-step): a teacher per prompt domain (colour attribution; the other kinds), CRD at its
+    # defaults on that domain's training prompts; the student distilled from both; CRD on every prompt, the RL run of the
+    # same images (benchmark/results/convergence/few_step)
+    "opd_teacher_attr": ("crd", ["--full-finetune", "--train-prompts", "assets/opd/attr_train.jsonl"]),
+    "opd_teacher_rest": ("crd", ["--full-finetune", "--train-prompts", "assets/opd/rest_train.jsonl"]),
+    "opd_crd_all": ("crd", ["--full-finetune"]),
+    # DMD2 (issue few-step): a 2-step generator from the 10-step base, towards the base at CFG 4.5 (the default) or 1
+    "dmd2": ("dmd2", ["--full-finetune"]),
+    "dmd2_real_cfg1": ("dmd2", ["--full-finetune", "--real-guidance-scale", "1.0"]),
+    # TDM-R1 (issue few-step): RL with shapes_clean on the 2-step DMD2 model (its seed 1, committed)
+    "tdm_r1": ("tdm_r1", ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1"]),
+    "tdm_r1_rl0": (
+        "tdm_r1",
+        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--rl-weight", "0"],
+    ),
+    "tdm_r1_rcfg1": (
+        "tdm_r1",
+        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-guidance-scale", "1"],
+    ),
+    "tdm_r1_rkl0.1": (
+        "tdm_r1",
+        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-kl", "0.1"],
+    ),
+    # the first default, the authors' surrogate KL
+    "tdm_r1_rkl0.001": (
+        "tdm_r1",
+        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-kl", "0.001"],
+    ),
+    "opd": ("opd", ["--full-finetune", "--teachers", *OPD_TEACHERS, "--teacher-prompts", *OPD_PROMPTS]),
     "nft_full_lr1e-4": ("nft", ["--full-finetune", "--learning-rate", "1e-4"]),
     "dgpo_full_lr1e-4": ("dgpo", ["--full-finetune", "--learning-rate", "1e-4"]),
     "awm_full_lr1e-4": ("awm", ["--full-finetune", "--learning-rate", "1e-4", "--kl-beta", "0.01"]),
@@ -272,8 +303,11 @@ def prompt_sets(train_file: str = common.TRAIN_PROMPTS, test_file: str = common.
     return sets
 
 
-def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics) -> dict:
-    """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model."""
+def score(
+    pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics, num_steps: int = 10
+) -> dict:
+    """{metric: [noises, prompts] array}; noise n is seed 1000 n + chunk index, the same for every model. A few-step
+    model (dmd2.py's) is sampled at its own step count."""
     out = defaultdict(list)
     for n in range(noises):
         _, s = evaluation.evaluate(
@@ -282,7 +316,7 @@ def score(pipe, encoder, prompts, guidance_scale: float, noises: int = NOISES, m
             encoder,
             prompts,
             metrics,
-            num_steps=10,
+            num_steps=num_steps,
             guidance_scale=guidance_scale,
             seed=1000 * n,
             repeats=1,
@@ -329,13 +363,19 @@ def replace_run_row(path: Path, row: dict):
 
 
 def base_scores(
-    model: str, sets: dict, guidance_scale: float, noises: int = NOISES, metrics=shapes_metrics, cache: dict = {}
-) -> dict:  # noqa: B006 - a deliberate cache
-    key = (model, guidance_scale, noises, tuple(sets))
+    model: str,
+    sets: dict,
+    guidance_scale: float,
+    noises: int = NOISES,
+    metrics=shapes_metrics,
+    num_steps: int = 10,
+    cache: dict = {},  # noqa: B006 - a deliberate cache
+) -> dict:
+    key = (model, guidance_scale, noises, tuple(sets), num_steps)
     if key not in cache:
         pipe = models.load_pipeline(model, torch.device("cpu"))
         encoder = common.PromptEncoder(pipe)
-        cache[key] = {name: score(pipe, encoder, p, guidance_scale, noises, metrics) for name, p in sets.items()}
+        cache[key] = {name: score(pipe, encoder, p, guidance_scale, noises, metrics, num_steps) for name, p in sets.items()}
     return cache[key]
 
 
@@ -417,12 +457,16 @@ def cmd_final(args, sets):
         short = stopped_short(run)  # a legitimate row (the images column says where), not the run's planned length
         if short:
             print(f"{run}: stopped at {short}; scoring its export at {images:,} images", file=sys.stderr)
+        steps = run_args.get("num_steps", 10)
+        run_bases = dict(bases)
+        if steps != 10:  # a few-step model: also against the base at its own step count
+            run_bases[f"cfg1_{steps}steps"] = base_scores(args.model, sets, 1.0, args.noises, args.task["metrics"], steps)
         for name, prompts in sets.items():
-            m = score(pipe, encoder, prompts, cfg, args.noises, args.task["metrics"])
+            m = score(pipe, encoder, prompts, cfg, args.noises, args.task["metrics"], steps)
             row = {"run": run.name, "setting": run_args["exp_name"], "seed": run_args["seed"]}
-            row.update({"images": images, "guidance_scale": cfg, "set": name, "noises": args.noises})
-            row.update(summary(m, {tag: b[name] for tag, b in bases.items()}))
-            for tag, b in bases.items():
+            row.update({"images": images, "guidance_scale": cfg, "set": name, "noises": args.noises, "num_steps": steps})
+            row.update(summary(m, {tag: b[name] for tag, b in run_bases.items()}))
+            for tag, b in run_bases.items():
                 row[f"exact_gain_{tag}_per_prompt"] = (m["exact"] - b[name]["exact"]).mean(0).round(6).tolist()
             append(args.results / "final.jsonl", row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
@@ -791,7 +835,8 @@ def run_flags(task: dict, name: str, seed: int, epochs: int, eval_every: int, ou
     cmd += ["--exp-name", name, "--output-dir", in_repo(out)]
     # the files' defaults are absolute paths (so that they run from any folder): pass the task's own, relative
     cmd += ["--model", in_repo(model or task["model"])]
-    cmd += ["--train-prompts", in_repo(task["train"]), "--test-prompts", in_repo(task["test"])]
+    cmd += [] if "--train-prompts" in flags else ["--train-prompts", in_repo(task["train"])]  # a setting's own prompts
+    cmd += ["--test-prompts", in_repo(task["test"])]
     return cmd + task["flags"]
 
 

@@ -43,6 +43,11 @@ ROWS = [
     ("tiny-shapes", "dgpo", "convergence/rescore32", "dgpo_full_lr1e-4", "convergence/leg2/dgpo_full_lr1e-4__s1"),
     ("tiny-shapes", "awm (KL 0.01)", "convergence/rescore32", "awm_full_lr1e-4", None),  # AWM's default KL until leg 16
     ("tiny-shapes", "grpo", "convergence/leg7", "grpo", "convergence/leg7/grpo__s1"),
+    # issue few-step: a student of two CRD teachers (each on its own prompt domain), the 2-step DMD2 generator (its
+    # seed 1 is where TDM-R1 starts) and TDM-R1 on it, against the base at 10 steps (benchmark/few_step_table.py)
+    ("tiny-shapes", "opd (two teachers)", "convergence/few_step", "opd", None),
+    ("tiny-shapes", "dmd2 (2 steps)", "convergence/few_step", "dmd2", "convergence/few_step/dmd2__s1"),
+    ("tiny-shapes", "tdm_r1 (2 steps)", "convergence/few_step", "tdm_r1", None),
     ("tiny-shapes-8", "crd", "convergence/testbed8/seeds32", "crd_full_lr1e-4", None),
     ("tiny-shapes-8", "dgpo", "convergence/testbed8/seeds32_long", "dgpo_full_lr1e-4", None),
     (
@@ -137,7 +142,7 @@ def table() -> list:
     return out
 
 
-ALGOS = ["crd", "nft", "dgpo", "awm", "elbo_grpo", "grpo", "dpo"]
+ALGOS = ["crd", "nft", "dgpo", "awm", "elbo_grpo", "grpo", "dpo", "opd", "dmd2", "tdm_r1"]
 
 
 def summary() -> list:

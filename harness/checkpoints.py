@@ -568,9 +568,10 @@ def restore_state(
             opt_state = optimizer_state(ckpt["optimizer"], optimizer)
             load_trainable_state(named, ckpt["params"])
             optimizer.load_state_dict(opt_state)
-            for key, tensors in snapshots.items():
-                for t, saved in zip(tensors, ckpt["snapshots"][key]):
-                    t.copy_(saved)
+            with torch.no_grad():  # a snapshot may be trained weights of their own (DMD2's fake score)
+                for key, tensors in snapshots.items():
+                    for t, saved in zip(tensors, ckpt["snapshots"][key]):
+                        t.copy_(saved)
             eval_ema.load(ckpt.get("eval_ema"))
             check_finite(named, snapshots, eval_ema)  # loaded in memory only: the run stops before it writes anything
         prompt_gen.set_state(ckpt["prompt_gen"])

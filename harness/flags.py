@@ -35,6 +35,16 @@ AutoBool = Annotated[
 # A default inside the repository is shown relative to it: the help reads the same in every clone, and a long clone path
 # does not wrap the line
 RepoPath = Annotated[str, tyro.conf.arg(help_behavior_hint=lambda path: f"(default: <repo>/{Path(path).relative_to(REPO)})")]
+RepoPaths = Annotated[
+    tuple[str, ...],
+    tyro.conf.arg(
+        metavar="PATH ...",
+        # tyro hands the hint the default as --help prints it: the paths joined by spaces
+        help_behavior_hint=lambda label: (
+            "(default: " + " ".join(f"<repo>/{Path(p).relative_to(REPO)}" for p in label.split()) + ")"
+        ),
+    ),
+]
 
 
 @dataclass

@@ -10,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import HANG_S, TORCHRUN, kernel_environ, kill_group, run_in_process, run_script, start_script
+from safetensors.torch import load_file
 
 import common
 from harness.checkpoints import load_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A LoRA, the path of every real model (tests/test_full_finetune.py trains every weight, the tiny models' default).
 TINY = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --save-every 1 --eval-every 1 --no-full-finetune".split()
@@ -33,6 +36,14 @@ FLAGS = {
     "dpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --pairs-per-group all --ref-update-every 1",
     "elbo_grpo": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01",
     "nft": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --kl-beta 0.01 --old-decay-ramp 0.3",
+    # the fake score trains twice per generator step: its weights and moments must resume and match on 2 ranks too
+    "dmd2": "--grad-steps-per-epoch 1 --fake-updates 2",
+    # two teachers (each group of a batch routed to one, on either rank), CRD-trained exports of tiny-shapes
+    "opd": "--grad-steps-per-epoch 1 --num-train-timesteps 1 --teachers "
+    + " ".join(f"assets/opd/teachers/{d}" for d in ("attr", "rest")),
+    # RL on the committed 2-step DMD2 export: three networks (generator, fake score, surrogate reward) resume together
+    "tdm_r1": "--grad-steps-per-epoch 1 --num-steps 2 --full-finetune --group-size 4 --micro-batch 4 "
+    "--generator benchmark/results/convergence/few_step/dmd2__s1",
 }
 EPOCHS = 3  # of the reference run
 # 3 train prompts, 2 per epoch: prompts repeat across epochs, so an embedding cached in an earlier epoch is reused --
@@ -102,6 +113,15 @@ def reference(tmp_path_factory, shared_prompts):
         return runs[key]
 
     return get
+
+
+def trained(algo, ckpt) -> bool:
+    """A run's weights moved from where they started: a LoRA's B from 0, or every weight (tdm_r1's FLAGS) from the
+    export it started from."""
+    if "--full-finetune" in FLAGS[algo]:
+        start = load_file(REPO / FLAGS[algo].split("--generator ")[1] / "transformer" / "diffusion_pytorch_model.safetensors")
+        return any(not torch.equal(v, start[k]) for k, v in ckpt["params"].items())
+    return any(v.abs().sum() > 0 for k, v in ckpt["params"].items() if "lora_B" in k)
 
 
 def assert_same_state(a, b, label=""):
@@ -205,7 +225,7 @@ def test_two_ranks_match_one_process(algo, kernel, reference, shared_prompts, tm
     assert len(list(two_dir.glob("events.out.tfevents.*"))) == 1
     b = load_checkpoint(two_dir)
     assert a["epoch"] == 2 and a["step"] == 2 * a["args"]["grad_steps_per_epoch"]
-    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did move
+    assert trained(algo, a)
     assert_same_state(a, b, algo)
 
 

@@ -22,18 +22,21 @@ from PIL import Image
 
 import common
 import models
-from algos import awm, crd, dgpo, dpo, elbo_grpo, grpo, grpo_variants, nft
+from algos import awm, crd, dgpo, dmd2, dpo, elbo_grpo, grpo, grpo_variants, nft, opd, tdm_r1
 from harness import checkpoints, export, pair_files, prompt_files, run
 
 ALGOS = {
     "awm": awm,
     "crd": crd,
     "dgpo": dgpo,
+    "dmd2": dmd2,
     "dpo": dpo,
     "elbo_grpo": elbo_grpo,
     "grpo": grpo,
     "grpo_variants": grpo_variants,
     "nft": nft,
+    "opd": opd,
+    "tdm_r1": tdm_r1,
 }
 TINY = (
     "--num-prompts 2 --group-size 4 --micro-batch 4 --num-steps 4 --num-epochs 1 --grad-steps-per-epoch 1 --no-full-finetune"
@@ -41,7 +44,13 @@ TINY = (
 TINY = TINY.split()  # a LoRA, as on a real model (the tiny models' default trains every weight)
 # what makes TINY valid for a script (GRPO's default 4 SDE steps do not fit the window of 4 steps): only the case's own
 # flag may be wrong
-VALID = {"grpo": ["--num-sde-steps", "1"], "grpo_variants": ["--num-sde-steps", "1"]}
+VALID = {
+    "grpo": ["--num-sde-steps", "1"],
+    "grpo_variants": ["--num-sde-steps", "1"],
+    "opd": ["--teachers", common.TINY_MODEL],  # a pipeline folder: its transformer teaches
+    # RL on dmd2.py's committed 2-step export, every weight trained
+    "tdm_r1": ["--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--num-steps", "2", "--full-finetune"],
+}
 LONG = "a red circle " + "and " * 2500  # 10,000 characters the reward cannot parse
 
 # flags -> a piece of the one error line; {tmp} is the test's folder. Shared checks: run for every script.
@@ -117,7 +126,7 @@ SHARED = {
     "--test-prompts {tmp}/image.jsonl": "its prompts carry reference images, but StableDiffusion3Pipeline takes none",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
-NEEDS_MODEL = {"--lora-targets nosuchmodule"}
+NEEDS_MODEL = {"--lora-targets nosuchmodule", "--teachers {tmp}/bad-teacher"}
 # single-script checks (and shared ones run once: they cost a model load or are covered by the table above)
 SPECIFIC = [
     ("grpo", "--dynamics ODE", "Flow-GRPO needs per-step log-probs"),
@@ -151,6 +160,20 @@ SPECIFIC = [
     ("dpo", "--logit-std -1", "--logit-std -1.0: must be > 0"),
     ("dpo", "--ref-update-every -1", "--ref-update-every -1: must be >= 0 (0: the frozen base)"),
     ("dpo", "--pairs {tmp}/missing.jsonl", "--pairs {tmp}/missing.jsonl: cannot be read"),
+    ("dmd2", "--min-sigma 0", "--min-sigma 0.0 / --max-sigma 0.98: need 0 < min <= max < 1"),
+    ("dmd2", "--max-sigma 1", "--min-sigma 0.02 / --max-sigma 1.0: need 0 < min <= max < 1"),
+    ("dmd2", "--fake-updates 0", "--fake-updates 0: must be >= 1"),
+    ("dmd2", "--fsdp", "--fsdp: dmd2.py keeps a second trained network"),
+    ("tdm_r1", "--generator {tmp}", "--generator {tmp}: no transformer/ export in it"),
+    ("tdm_r1", "--no-full-finetune", "--no-full-finetune: tdm_r1.py trains every weight of a dmd2.py export"),
+    ("tdm_r1", "--micro-batch 2", "must hold whole groups"),
+    ("tdm_r1", "--max-sigma 1", "--min-sigma 0.02 / --max-sigma 1.0: need 0 < min <= max < 1"),
+    ("opd", "--teachers {tmp}", "--teachers {tmp}: no transformer/ or lora/ export in it"),
+    ("opd", "--teachers {tmp}/bad-teacher", "--teachers {tmp}/bad-teacher: its transformer export does not load"),
+    ("opd", "--teacher-prompts {tmp}/test.txt {tmp}/test.txt", "--teacher-prompts: 2 files for 1 teachers"),
+    ("opd", "--teacher-prompts {tmp}/missing.txt", "not found"),
+    ("opd", "--timestep-fraction 0", "--timestep-fraction 0.0: must be in (0, 1]"),
+    ("opd", "--num-train-timesteps 4", "--num-train-timesteps 4: must be in [1, 3]"),
     ("dgpo", "--num-train-timesteps 11", "--num-train-timesteps 11: only"),
     ("dgpo", "--off-policy-after=-5", "--off-policy-after -5: must be >= 0"),
     ("nft", "--timesteps-per-image --num-train-timesteps 11", "--num-train-timesteps 11: --timesteps-per-image draws"),
@@ -220,6 +243,8 @@ def files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
     (tmp_path / "null.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": null}\n')
     (tmp_path / "list.jsonl").write_text('{"prompt": ["a", "b"]}\n')
+    (tmp_path / "bad-teacher" / "transformer").mkdir(parents=True)  # an export whose weights are not a model's
+    (tmp_path / "bad-teacher" / "transformer" / "config.json").write_text('{"_class_name": "SD3Transformer2DModel"}')
     scene = tmp_path / "scene.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(scene)
     (tmp_path / "cut.png").write_bytes(scene.read_bytes()[: scene.stat().st_size // 2])  # a truncated download

@@ -740,7 +740,9 @@ def test_the_learning_figure_reads_three_seeds_of_every_algorithm_from_one_base(
     from benchmark import learning_figure
 
     algos = {name.lower().replace("-", "_") for name, _, _ in learning_figure.CURVES}
-    assert algos == {p.stem for p in (REPO / "algos").glob("*.py")} - {"grpo_variants"}
+    # the distillation files learn no reward from the base (their tables compare them with their teachers), and TDM-R1
+    # starts from a few-step model
+    assert algos == {p.stem for p in (REPO / "algos").glob("*.py")} - {"grpo_variants", "opd", "dmd2", "tdm_r1"}
     firsts = set()
     for _, folder, setting in learning_figure.CURVES:
         images, exact = learning_figure.seed_curves(folder, setting)

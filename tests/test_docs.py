@@ -22,7 +22,7 @@ DOCS = [
     REPO / "benchmark" / "results" / "README.md",
     REPO / "benchmark" / "results" / "convergence" / "README.md",
 ]
-ALGOS = ("grpo", "grpo_variants", "nft", "awm", "crd", "dgpo", "dpo", "elbo_grpo")
+ALGOS = ("grpo", "grpo_variants", "nft", "awm", "crd", "dgpo", "dmd2", "dpo", "elbo_grpo", "opd", "tdm_r1")
 # other tools' flags the docs quote in their commands
 EXTERNAL = {
     "--help",

@@ -126,13 +126,13 @@ def top_level_sources(path: Path) -> dict:
 # schedule and update (the four with a snapshot), PPO's clipped surrogate (grpo, awm), DiffusionNFT's optimality
 # probability (nft, crd); each file holds its own copy, so a reader sees it, and the copies must not drift
 SHARED_MATH = {
-    "STD_EPS": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
+    "STD_EPS": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft", "tdm_r1"},
     # grpo.py's copy adds RLOO's leave-one-out baseline (--leave-one-out), which only Flow-GRPO offers
-    "group_advantages": {"awm", "crd", "dgpo", "elbo_grpo", "nft"},
+    "group_advantages": {"awm", "crd", "dgpo", "elbo_grpo", "nft", "tdm_r1"},
     "aggregate_advantages": {"awm", "crd", "dgpo", "elbo_grpo", "nft"},
     "get_decay": {"awm", "crd", "dgpo", "nft"},
     "update_ema": {"awm", "crd", "dgpo", "nft"},
-    "velocity_kl": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft"},
+    "velocity_kl": {"awm", "crd", "dgpo", "elbo_grpo", "grpo", "nft", "tdm_r1"},
     "ppo_loss": {"awm", "elbo_grpo", "grpo"},
     "optimality_probability": {"crd", "nft"},
 }
