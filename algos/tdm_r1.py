@@ -38,7 +38,7 @@ class TDMR1Args:
     """TDM-R1's own flags, first in --help (the flags every script shares: flags.SharedArgs)"""
 
     generator: flags.RepoPath = str(common.REPO / "benchmark" / "results" / "convergence" / "few_step" / "dmd2__s1")
-    """the few-step model RL starts from: a run folder of dmd2.py (its transformer/ export)"""
+    """the few-step model RL starts from: a run folder of dmd2.py (its transformer/ or lora/ export)"""
     adv_clip: float = 5.0
     """advantages are clipped to [-c, c]"""
     advantage_std: Literal["group", "global"] = "global"
@@ -152,24 +152,32 @@ def normaliser(x0, x0_real) -> torch.Tensor:
     return (x0 - x0_real).abs().flatten(1).mean(1).clamp_min(1e-5).detach()
 
 
-def load_generator(run: str, named: dict, num_steps: int):
-    """The few-step model's weights (a dmd2.py run's transformer/ export) into the trained parameters, which must be
-    every transformer weight (--full-finetune); its run's step count must be this run's."""
-    path = Path(run)
-    if not (path / "transformer" / "config.json").is_file():
-        raise common.UserError(f"--generator {run}: no transformer/ export in it (a run folder of dmd2.py)")
+def load_generator(run: str, named: dict, args):
+    """The few-step model's weights (a dmd2.py run's export) into the trained parameters: its transformer/ into every
+    weight (--full-finetune), or its lora/ into a LoRA of the same rank, alpha and targets; its run's step count must be
+    this run's."""
+    from safetensors.torch import load_file
+
+    path, kind = Path(run), "transformer" if args.full_finetune else "lora"
+    if not (path / kind).is_dir():
+        other = "--no-full-finetune" if kind == "transformer" else "--full-finetune"
+        raise common.UserError(f"--generator {run}: no {kind}/ export in it (its run trained {other[2:]}: pass {other})")
     saved = json.loads((path / "args.json").read_text()) if (path / "args.json").is_file() else {}
-    if saved.get("num_steps", num_steps) != num_steps:
+    if saved.get("num_steps", args.num_steps) != args.num_steps:
         raise common.UserError(
             f"--generator {run} samples at {saved['num_steps']} steps; pass --num-steps {saved['num_steps']}"
         )
-    from safetensors.torch import load_file
-
-    files = sorted((path / "transformer").glob("*.safetensors"))
-    state = {k: v for f in files for k, v in load_file(f).items()}
-    if not set(named) <= set(state):  # the export holds the buffers too (SD3's positional embedding)
-        raise common.UserError(f"--generator {run}: its weights are not --model's transformer's (train every weight)")
-    with torch.no_grad():
+    for flag in ("lora_rank", "lora_alpha", "lora_targets") if kind == "lora" else ():
+        if flag in saved and saved[flag] != getattr(args, flag):
+            raise common.UserError(f"--generator {run} has --{flag.replace('_', '-')} {saved[flag]}: pass the same")
+    state = {k: v for f in sorted((path / kind).glob("*.safetensors")) for k, v in load_file(f).items()}
+    if (
+        kind == "lora"
+    ):  # diffusers' file names transformer.<module>.lora_A.weight; peft's parameter <module>.lora_A.default.weight
+        state = {k.removeprefix("transformer.").replace(".weight", ".default.weight"): v for k, v in state.items()}
+    if not set(named) <= set(state) or any(state[n].shape != p.shape for n, p in named.items()):
+        raise common.UserError(f"--generator {run}: its {kind} weights do not fit --model's transformer")
+    with torch.no_grad():  # a full export also holds the buffers (SD3's positional embedding): the parameters only
         for name, p in named.items():
             p.copy_(state[name])
 
@@ -182,8 +190,8 @@ def main(args: Args):
     # ALGO LOGIC: flag checks that need no model, so a bad one fails before the model loads
     if not args.generator:
         raise common.UserError("--generator: name the few-step model to start from (a run folder of dmd2.py)")
-    if not (Path(args.generator) / "transformer").is_dir():
-        raise common.UserError(f"--generator {args.generator}: no transformer/ export in it (a run folder of dmd2.py)")
+    if not any((Path(args.generator) / kind).is_dir() for kind in ("transformer", "lora")):
+        raise common.UserError(f"--generator {args.generator}: no transformer/ or lora/ export in it (a dmd2.py run)")
     if not 0 < args.min_sigma <= args.max_sigma < 1:
         raise common.UserError(f"--min-sigma {args.min_sigma} / --max-sigma {args.max_sigma}: need 0 < min <= max < 1")
     if args.micro_batch % args.group_size:
@@ -193,8 +201,12 @@ def main(args: Args):
         )
     if args.fsdp:
         raise common.UserError("--fsdp: tdm_r1.py keeps two more trained networks that are not sharded yet")
-    if args.full_finetune is False:
-        raise common.UserError("--no-full-finetune: tdm_r1.py trains every weight of a dmd2.py export (no LoRA yet)")
+    if (
+        args.full_finetune is not None
+        and not (Path(args.generator) / ("transformer" if args.full_finetune else "lora")).is_dir()
+    ):
+        given = "--full-finetune" if args.full_finetune else "--no-full-finetune"
+        raise common.UserError(f"{given}: --generator {args.generator} holds no such export; drop {given}")
 
     # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
     total, local_idx, local_samples, num_micro, micro_per_step = shell.batch_layout(args, dist)
@@ -204,8 +216,6 @@ def main(args: Args):
 
     # ALGO LOGIC: the fake score and the surrogate reward model, copies of the base, trained in the one optimizer (groups
     # 2 and 3, so a checkpoint holds their moments) and saved as snapshots; then the generator's few-step weights
-    if not args.full_finetune:  # decided by the model's size: a large model gets a LoRA
-        raise common.UserError("tdm_r1.py trains every weight of a dmd2.py export (no LoRA yet): pass --full-finetune")
     fake, surrogate = copy.deepcopy(transformer), copy.deepcopy(transformer)
     fake_params = [p for p in fake.parameters() if p.requires_grad]
     surrogate_params = [p for p in surrogate.parameters() if p.requires_grad]
@@ -213,7 +223,7 @@ def main(args: Args):
     optimizer.add_param_group({"params": fake_params, "lr": aux_lr})
     optimizer.add_param_group({"params": surrogate_params, "lr": aux_lr})
     snapshots = {"fake": fake_params, "surrogate": surrogate_params}
-    load_generator(args.generator, named, args.num_steps)
+    load_generator(args.generator, named, args)
     sigmas = pipe.sigmas(args.num_steps, device, args.sigma_schedule)
 
     # TRY NOT TO MODIFY: the prompt stream, the eval EMA, the logger, a resumed run's state; save, progress bar

@@ -67,10 +67,39 @@ def test_the_surrogate_learns_to_prefer_the_better_sample():
 
 
 def test_a_generator_without_an_export_or_at_other_steps_is_one_error(tmp_path):
-    with pytest.raises(common.UserError, match="no transformer/ export"):
-        tdm_r1.load_generator(str(tmp_path), {}, 2)
+    with pytest.raises(common.UserError, match="no transformer/ export in it"):
+        tdm_r1.load_generator(str(tmp_path), {}, tdm_r1.Args(full_finetune=True))
+    with pytest.raises(common.UserError, match="no lora/ export in it .* pass --full-finetune"):
+        tdm_r1.load_generator(str(GENERATOR), {}, tdm_r1.Args(full_finetune=False))
     with pytest.raises(common.UserError, match="samples at 2 steps; pass --num-steps 2"):
-        tdm_r1.load_generator(str(GENERATOR), {}, 4)
+        tdm_r1.load_generator(str(GENERATOR), {}, tdm_r1.Args(full_finetune=True, num_steps=4))
+
+
+@pytest.mark.slow
+def test_a_lora_generator_loads_as_the_stock_pipeline_loads_it(tmp_path):
+    """A LoRA few-step model (a 1-epoch dmd2.py run) loaded into the LoRA that tdm_r1.py trains gives the velocity of
+    the stock pipeline with the export's `load_lora_weights`; a LoRA of another rank is one UserError."""
+    import models
+
+    out = tmp_path / "runs"
+    flags = "--num-prompts 2 --group-size 4 --micro-batch 4 --num-epochs 1 --eval-every 10 --no-full-finetune --lora-rank 4"
+    run_script(["algos/dmd2.py", *flags.split(), "--output-dir", out])
+    (run_dir,) = out.iterdir()
+    args = tdm_r1.Args(full_finetune=False, lora_rank=4)
+    pipe = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    params = models.trainable_params(pipe.transformer, args)
+    named = {n: p for n, p in pipe.transformer.named_parameters() if p.requires_grad}
+    tdm_r1.load_generator(str(run_dir), named, args)
+    stock = models.load_pipeline(common.TINY_MODEL, torch.device("cpu"))
+    stock.pipe.load_lora_weights(str(run_dir / "lora"))
+    cond = common.PromptEncoder(stock).cond(["a red circle", "two squares"])
+    x = torch.randn(2, *stock.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = (common.velocity(t, x, 0.6, cond) for t in (pipe.transformer, stock.transformer))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert any(p.abs().sum() > 0 for n, p in named.items() if "lora_B" in n) and len(params) == len(named)
+    with pytest.raises(common.UserError, match="has --lora-rank 4: pass the same"):
+        tdm_r1.load_generator(str(run_dir), named, tdm_r1.Args(full_finetune=False, lora_rank=8))
 
 
 @pytest.mark.slow
