@@ -70,6 +70,7 @@ def opd_table(finals: list, base: dict, kinds: np.ndarray) -> list:
 
 FEW_STEP = [
     ("DMD2", "dmd2"),
+    ("DMD2, real score at CFG 1", "dmd2_real_cfg1"),
     ("TDM-R1 (surrogate KL 0.1, the default)", "tdm_r1"),
     ("TDM-R1 without the reward pull (--rl-weight 0): DMD2 continued", "tdm_r1_rl0"),
     ("TDM-R1, surrogate KL 0.001 (the authors')", "tdm_r1_rkl0.001"),
@@ -95,7 +96,7 @@ def few_step_table(finals: list, base: dict) -> list:
         own = np.mean([r[f"exact_gain_cfg1_{steps}steps_per_prompt"] for r in rows], axis=0)
         if setting == "dmd2":  # TDM-R1 starts from its seed 1 (benchmark/results/convergence/few_step/dmd2__s1)
             start = per_prompt([r for r in rows if r["seed"] == 1], base[1.0])
-        vs_start = cell(mine - start) if setting != "dmd2" and start is not None else ""
+        vs_start = cell(mine - start) if setting.startswith("tdm_r1") and start is not None else ""
         out.append(
             f"| {label} | {steps} | {len(rows)} | {mine.mean():.3f} | {cell(own)} | {cell(mine - base[1.0])} | "
             f"{cell(mine - base[4.5])} | {vs_start} | {np.mean([r['extra'] for r in rows]):.2f} |"
