@@ -36,6 +36,10 @@ RUNS = {
     "grpo_pref": "grpo_variants.py --grad-steps-per-epoch 1 --num-sde-steps 2 --win-rate-reward",
     "grpo_guard": "grpo_variants.py --grad-steps-per-epoch 1 --num-sde-steps 2 --grpo-guard",
     "grpo_kl": "grpo.py --grad-steps-per-epoch 1 --num-sde-steps 2 --kl-beta 0.01 --leave-one-out --num-inner-epochs 2",
+    # the distillation files: two teachers, a fake score, and RL on the committed 2-step model
+    "opd": "opd.py --grad-steps-per-epoch 1 --num-train-timesteps 2 --no-full-finetune",
+    "dmd2": "dmd2.py --grad-steps-per-epoch 1 --fake-updates 2",
+    "tdm_r1": "tdm_r1.py --grad-steps-per-epoch 1 --num-steps 2",
 }
 
 
