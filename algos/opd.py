@@ -158,8 +158,9 @@ def main(args: Args):
     num_train = eligible if args.num_train_timesteps is None else args.num_train_timesteps
     if not 1 <= num_train <= eligible:
         raise common.UserError(f"--num-train-timesteps {num_train}: must be in [1, {eligible}]")
-    prompt_paths = args.teacher_prompts or (TEACHER_PROMPTS if tuple(args.teachers) == TEACHERS else None)
-    teacher_sets = [prompt_files.load_prompts(f) for f in prompt_paths] if prompt_paths else None
+    if args.teacher_prompts is None and tuple(args.teachers) == TEACHERS:
+        args.teacher_prompts = TEACHER_PROMPTS  # written back: the run's record, and so a resume, name the files
+    teacher_sets = [prompt_files.load_prompts(f) for f in args.teacher_prompts] if args.teacher_prompts else None
 
     # TRY NOT TO MODIFY: the batch over ranks and micro-batches; prompts, rewards, model (a bad file fails before it loads)
     total, local_idx, local_samples, num_micro, micro_per_step = shell.batch_layout(args, dist)
