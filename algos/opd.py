@@ -257,7 +257,8 @@ def main(args: Args):
                     batches.append((sl, j, x, step_args, mean_teacher))
 
             # pass 2: the per-step KL of the student's step to its teacher's, grad_steps_per_epoch optimizer steps
-            stats = {"policy_loss": [], "grad_norm": [], **{f"kl_teacher{t}": [] for t in range(len(teachers))}}
+            stats = {"policy_loss": [], "grad_norm": []}
+            per_teacher = torch.zeros(len(teachers), 2, device=device)  # (KL sum, samples) of each teacher's samples
             per_step = micro_per_step * num_train
             k = 0
             for sl, j, x, step_args, mean_teacher in batches:
@@ -269,7 +270,8 @@ def main(args: Args):
                 (loss / per_step).backward()
                 stats["policy_loss"].append(loss.item())  # the mean step KL
                 for t in range(len(teachers)):
-                    stats[f"kl_teacher{t}"].append(kl[routes[sl] == t].mean().item())
+                    mine = routes[sl] == t
+                    per_teacher[t] += torch.stack([kl.detach()[mine].sum(), mine.sum().float()])
                 # TRY NOT TO MODIFY: an optimizer step every per_step backward passes; a non-finite gradient skips it
                 k += 1
                 if k % per_step == 0:
@@ -281,7 +283,9 @@ def main(args: Args):
                         eval_ema.update(step)
                         stats["grad_norm"].append(grad_norm.item())
                     optimizer.zero_grad(set_to_none=True)
-            diagnostics = {}
+            # summed over ranks before dividing: a rank may hold none of a teacher's groups
+            per_teacher = shell.all_reduce_mean(per_teacher)
+            diagnostics = {f"kl_teacher{t}": (kl_sum / n.clamp_min(1)).item() for t, (kl_sum, n) in enumerate(per_teacher)}
 
         # ---- logging ----
         # TRY NOT TO MODIFY: global means of every metric, at x = images seen; rank 0 writes

@@ -156,13 +156,19 @@ def load_generator(run: str, named: dict, args):
     """The few-step model's weights (a dmd2.py run's export) into the trained parameters: its transformer/ into every
     weight (--full-finetune), or its lora/ into a LoRA of the same rank, alpha and targets; its run's step count must be
     this run's."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path, kind = Path(run), "transformer" if args.full_finetune else "lora"
     if not (path / kind).is_dir():
         other = "--no-full-finetune" if kind == "transformer" else "--full-finetune"
         raise common.UserError(f"--generator {run}: no {kind}/ export in it (its run trained {other[2:]}: pass {other})")
-    saved = json.loads((path / "args.json").read_text()) if (path / "args.json").is_file() else {}
+    try:
+        saved = json.loads((path / "args.json").read_text()) if (path / "args.json").is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise common.UserError(f"--generator {run}: its args.json cannot be read ({type(e).__name__})")
+    if not isinstance(saved, dict):
+        raise common.UserError(f"--generator {run}: its args.json is not a JSON object")
     if saved.get("num_steps", args.num_steps) != args.num_steps:
         raise common.UserError(
             f"--generator {run} samples at {saved['num_steps']} steps; pass --num-steps {saved['num_steps']}"
@@ -170,7 +176,11 @@ def load_generator(run: str, named: dict, args):
     for flag in ("lora_rank", "lora_alpha", "lora_targets") if kind == "lora" else ():
         if flag in saved and saved[flag] != getattr(args, flag):
             raise common.UserError(f"--generator {run} has --{flag.replace('_', '-')} {saved[flag]}: pass the same")
-    state = {k: v for f in sorted((path / kind).glob("*.safetensors")) for k, v in load_file(f).items()}
+    try:
+        state = {k: v for f in sorted((path / kind).glob("*.safetensors")) for k, v in load_file(f).items()}
+    except (OSError, SafetensorError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise common.UserError(f"--generator {run}: its {kind} weights cannot be read ({first})")
     if (
         kind == "lora"
     ):  # diffusers' file names transformer.<module>.lora_A.weight; peft's parameter <module>.lora_A.default.weight

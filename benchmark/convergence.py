@@ -69,6 +69,7 @@ STEPS8 = ["--grad-steps-per-epoch", "8", "--micro-batch", "8"]
 # name -> (algorithm file, flags beyond its defaults). Every setting tried stays here, with its numbers in the results.
 OPD_TEACHERS = [f"assets/opd/teachers/{d}" for d in ("attr", "rest")]  # the two teachers above, seed 1
 OPD_PROMPTS = [f"assets/opd/{d}_train.jsonl" for d in ("attr", "rest")]
+TDM_R1 = ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1"]  # DMD2's seed 1
 SETTINGS = {
     "crd": ("crd", []),
     "crd_kl0.1": ("crd", ["--kl-beta", "0.1"]),
@@ -145,23 +146,23 @@ SETTINGS = {
     "dmd2": ("dmd2", ["--full-finetune"]),
     "dmd2_real_cfg1": ("dmd2", ["--full-finetune", "--real-guidance-scale", "1.0"]),
     # TDM-R1 (issue few-step): RL with shapes_clean on the 2-step DMD2 model (its seed 1, committed)
-    "tdm_r1": ("tdm_r1", ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1"]),
+    "tdm_r1": ("tdm_r1", TDM_R1),
     "tdm_r1_rl0": (
         "tdm_r1",
-        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--rl-weight", "0"],
+        [*TDM_R1, "--rl-weight", "0"],
     ),
     "tdm_r1_rcfg1": (
         "tdm_r1",
-        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-guidance-scale", "1"],
+        [*TDM_R1, "--reward-guidance-scale", "1"],
     ),
     "tdm_r1_rkl0.1": (
         "tdm_r1",
-        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-kl", "0.1"],
+        [*TDM_R1, "--reward-kl", "0.1"],
     ),
     # the first default, the authors' surrogate KL
     "tdm_r1_rkl0.001": (
         "tdm_r1",
-        ["--full-finetune", "--generator", "benchmark/results/convergence/few_step/dmd2__s1", "--reward-kl", "0.001"],
+        [*TDM_R1, "--reward-kl", "0.001"],
     ),
     "opd": ("opd", ["--full-finetune", "--teachers", *OPD_TEACHERS, "--teacher-prompts", *OPD_PROMPTS]),
     "nft_full_lr1e-4": ("nft", ["--full-finetune", "--learning-rate", "1e-4"]),

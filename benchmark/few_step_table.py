@@ -111,10 +111,11 @@ def few_step_table(finals: list, base: dict) -> list:
     return out
 
 
-def main():
-    if sys.argv[1:]:
-        print(__doc__ if sys.argv[1:] in (["--help"], ["-h"]) else "few_step_table.py takes no arguments", file=sys.stderr)
-        sys.exit(0 if sys.argv[1:] in (["--help"], ["-h"]) else 2)
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        print(__doc__ if argv in (["--help"], ["-h"]) else "few_step_table.py takes no arguments", file=sys.stderr)
+        sys.exit(0 if argv in (["--help"], ["-h"]) else 2)
     finals = [r for r in read("final.jsonl") if r["set"] == "test"]
     base = {r["guidance_scale"]: np.array(r["exact_per_prompt"]) for r in read("base.jsonl") if r["set"] == "test"}
     test = [json.loads(line) for line in (REPO / "assets" / "test.jsonl").read_text().splitlines()]

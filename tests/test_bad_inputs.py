@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import needs_ocr, run_in_process, run_script
+from conftest import REPO, needs_ocr, run_in_process, run_script
 from PIL import Image
 
 import common
@@ -126,7 +126,12 @@ SHARED = {
     "--test-prompts {tmp}/image.jsonl": "its prompts carry reference images, but StableDiffusion3Pipeline takes none",
 }
 # the flags that need the model loaded to be judged; every other case must stop before `load_pipeline`
-NEEDS_MODEL = {"--lora-targets nosuchmodule", "--teachers {tmp}/bad-teacher"}
+NEEDS_MODEL = {
+    "--lora-targets nosuchmodule",
+    "--teachers {tmp}/bad-teacher",
+    "--generator {tmp}/bad-generator",
+    "--generator {tmp}/bad-generator-args",
+}
 # single-script checks (and shared ones run once: they cost a model load or are covered by the table above)
 SPECIFIC = [
     ("grpo", "--dynamics ODE", "Flow-GRPO needs per-step log-probs"),
@@ -167,6 +172,9 @@ SPECIFIC = [
     ("tdm_r1", "--generator {tmp}", "--generator {tmp}: no transformer/ or lora/ export in it"),
     ("tdm_r1", "--no-full-finetune", "--no-full-finetune: --generator benchmark/results/convergence/few_step/dmd2__s1 holds"),
     ("tdm_r1", "--micro-batch 2", "must hold whole groups"),
+    # crafted few-step exports: a cut weights file, an args.json that is not JSON
+    ("tdm_r1", "--generator {tmp}/bad-generator", "--generator {tmp}/bad-generator: its transformer weights cannot be read"),
+    ("tdm_r1", "--generator {tmp}/bad-generator-args", "--generator {tmp}/bad-generator-args: its args.json cannot be read"),
     ("tdm_r1", "--max-sigma 1", "--min-sigma 0.02 / --max-sigma 1.0: need 0 < min <= max < 1"),
     ("opd", "--teachers {tmp}", "--teachers {tmp}: no transformer/ or lora/ export in it"),
     ("opd", "--teachers {tmp}/bad-teacher", "--teachers {tmp}/bad-teacher: its transformer export does not load"),
@@ -243,6 +251,14 @@ def files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a red circle"}\n')
     (tmp_path / "null.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": null}\n')
     (tmp_path / "list.jsonl").write_text('{"prompt": ["a", "b"]}\n')
+    for name, args in (("bad-generator", "{}"), ("bad-generator-args", "{bad")):  # a cut safetensors file
+        (tmp_path / name / "transformer").mkdir(parents=True)
+        (tmp_path / name / "args.json").write_text(args)
+        good = REPO / "benchmark" / "results" / "convergence" / "few_step" / "dmd2__s1" / "transformer"
+        (tmp_path / name / "transformer" / "config.json").write_bytes((good / "config.json").read_bytes())
+        weights = (good / "diffusion_pytorch_model.safetensors").read_bytes()
+        cut = weights[:1000] if name == "bad-generator" else weights
+        (tmp_path / name / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(cut)
     (tmp_path / "bad-teacher" / "transformer").mkdir(parents=True)  # an export whose weights are not a model's
     (tmp_path / "bad-teacher" / "transformer" / "config.json").write_text('{"_class_name": "SD3Transformer2DModel"}')
     scene = tmp_path / "scene.png"

@@ -787,3 +787,21 @@ def test_pairs_from_base_writes_each_prompts_best_and_worst_and_refuses_what_exi
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("doc", ["opd.md", "dmd2.md", "tdm_r1.md"])
+def test_the_distillation_docs_tables_are_the_scripts_output(doc):
+    """Every table row of the distillation docs' results is a row `python benchmark/few_step_table.py` prints from the
+    committed scores (so their numbers are the committed ones)."""
+    import contextlib
+    import io
+
+    from benchmark import few_step_table
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        few_step_table.main([])
+    rows = set(printed.getvalue().splitlines())
+    text = (REPO / "docs" / doc).read_text().split("## Results on tiny-shapes")[1].split("\n## ")[0]
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert table and set(table) <= rows, set(table) - rows

@@ -152,7 +152,7 @@ def test_a_teacher_equal_to_the_student_teaches_nothing(tmp_path):
     )
     (run_dir,) = out.iterdir()
     s = scalars(run_dir)
-    assert s["losses/policy_loss"] == [0.0, 0.0] and s["losses/kl_teacher0"] == [0.0, 0.0]
+    assert s["losses/policy_loss"] == [0.0, 0.0] and s["charts/kl_teacher0"] == [0.0, 0.0]
     from harness.checkpoints import load_checkpoint
 
     params = load_checkpoint(run_dir)["params"]
